@@ -1,0 +1,667 @@
+"""The speculative engine: continuous batching over the DFlash 2 draft–select–verify step.
+
+``Engine.step`` reads like the algorithm (DESIGN.md, spec §9): admit and prefill new
+requests, draft one block for every running row in one drafter forward, walk the selector,
+verify every row's block in one target forward, then accept, commit and roll back.
+
+Dimension letters: R rows, B block size, J = B−1 drafted slots, k candidates, V vocab,
+F·H captured target features.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.config import EngineConfig
+from dflash2.models.batch import ForwardBatch
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.loader import Target
+from dflash2.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    StepResult,
+    StepStats,
+    TokenLogprob,
+)
+from dflash2.sampling import LogitsContext, SamplingParams, sample_from_probs, target_probs
+from dflash2.scheduler import Scheduler
+from dflash2.selector import Proposal, lattice_scores, topk_candidates, walk
+from dflash2.verify import rejection_accept
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOP_K = 16  # candidates per slot for drafters without a selector
+
+
+class ContextLengthExceededError(ValueError):
+    """prompt tokens + max_tokens exceed ``max_model_len``."""
+
+
+@dataclass
+class _Block:
+    """One step's drafted blocks for the decode rows (tensors on the engine device)."""
+
+    proposal: Proposal
+    num_drafts: list[int]  # per row, drafts to verify (≤ J)
+
+
+class Engine:
+    """Synchronous engine: ``add_request`` / ``abort`` from any thread, ``step`` on one thread.
+
+    Args:
+        config: the frozen engine configuration.
+        target: a loaded target (``TargetModel`` or the transformers fallback).
+        tokenizer: Hugging Face tokenizer, or None (then no text and no stop strings).
+        drafter: a drafter bound to the target, or None (autoregressive decoding only).
+        eos_token_ids: ids that end a request unless ``ignore_eos``.
+        model_name: the name reported to clients.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: Target,
+        tokenizer: Any | None,
+        drafter: DFlashDrafter | None,
+        eos_token_ids: Sequence[int] = (),
+        model_name: str = "model",
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.model_name = model_name
+        self.device = target.embed_tokens.weight.device
+        self.vocab_size = int(target.embed_tokens.weight.shape[0])
+        self.block_size = self._resolve_block_size()
+        self.max_model_len = config.max_model_len or min(
+            int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
+        )
+        self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if self.is_speculative else ()
+        self.num_candidates = (drafter.config.selector_top_k if drafter and drafter.config.has_selector else 0) or (
+            DEFAULT_TOP_K
+        )
+        self.target_cache = target.new_cache(config.max_num_seqs, self.max_model_len)
+        self.draft_cache = (
+            drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.fc.weight.dtype, self.device)
+            if drafter is not None and self.is_speculative
+            else None
+        )
+        self.scheduler = Scheduler(config.max_num_seqs)
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._pending_outputs: list[RequestOutput] = []
+        self._log_memory()
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Resolve and load target, tokenizer and drafter as ``config`` says.
+
+        Raises:
+            dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with
+                a message that says what to do.
+        """
+        from dflash2.models import loader, source
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        folder = source.resolve_model(config.model)
+        device, dtype = config.torch_device, config.torch_dtype
+        tokenizer = loader.load_tokenizer(folder)
+        target = loader.load_target(folder, dtype, device)
+        drafter = None
+        drafter_path = config.drafter or (default_drafter_path() if config.model is None else None)
+        if config.block_size != 1:
+            if drafter_path is not None:
+                drafter = loader.load_drafter(Path(drafter_path), target, dtype, device)
+            elif config.model is None:
+                drafter = untrained_default_drafter(target, dtype, device)
+        name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
+        return cls(config, target, tokenizer, drafter, loader.eos_token_ids(folder, tokenizer), name)
+
+    def _resolve_block_size(self) -> int:
+        if self.drafter is None:
+            if self.config.block_size not in (None, 1):
+                raise ValueError("block_size > 1 needs a drafter (pass a drafter path)")
+            return 1
+        if self.config.block_size is None:
+            return self.drafter.config.block_size
+        if self.config.block_size != self.drafter.config.block_size:
+            logger.warning(
+                "block size %d differs from the drafter's trained block size %d",
+                self.config.block_size,
+                self.drafter.config.block_size,
+            )
+        return self.config.block_size
+
+    @property
+    def is_speculative(self) -> bool:
+        """True when steps draft blocks (block size > 1)."""
+        return self.block_size > 1
+
+    def _log_memory(self) -> None:
+        target_bytes = self.target_cache.nbytes
+        draft_bytes = self.draft_cache.nbytes if self.draft_cache is not None else 0
+        logger.info(
+            "KV caches for %d slots x %d tokens: target %.1f MiB, drafter context %.1f MiB; block size %d",
+            self.config.max_num_seqs,
+            self.max_model_len,
+            target_bytes / 2**20,
+            draft_bytes / 2**20,
+            self.block_size,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; thread-safe. Returns its id.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, stop strings without a
+                tokenizer, or a duplicate id.
+            ContextLengthExceededError: prompt + max_tokens > max_model_len.
+        """
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
+        request = Request(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+            detokenizer=self._new_detokenizer(prompt_ids, params),
+        )
+        with self._lock:
+            self._inbox.append(("add", request))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request; its slot is freed at the start of the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt (no special tokens added beyond what the tokenizer adds by default).
+
+        Raises:
+            ValueError: when the engine has no tokenizer.
+        """
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        return list(self.tokenizer.encode(text))
+
+    def _new_detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        if self.tokenizer is None:
+            return None
+        from dflash2.detokenize import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything is queued, running or waiting in the inbox."""
+        with self._lock:
+            pending = bool(self._inbox) or bool(self._pending_outputs)
+        return pending or bool(self.scheduler.running) or bool(self.scheduler.waiting)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """One engine iteration: schedule → prefill → draft → select → verify → commit → emit."""
+        start = time.perf_counter()
+        stats = StepStats(block_size=self.block_size)
+        outputs = self._drain_inbox()
+        admitted = self.scheduler.admit()
+        if admitted:
+            outputs += self._prefill(admitted, stats)
+        rows = [r for r in self.scheduler.running if not r.is_finished]
+        if rows:
+            block = self._draft_and_select(rows, stats)
+            outputs += self._verify_and_commit(rows, block, stats)
+        for request in [r for r in self.scheduler.running if r.is_finished]:
+            self._release(request)
+        stats.total_time = time.perf_counter() - start
+        stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        stats.kv_cache_usage = self.kv_cache_usage
+        return StepResult(outputs, stats)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0–1) of target KV positions holding committed tokens."""
+        lengths = self.target_cache.lengths
+        return sum(lengths) / (len(lengths) * self.max_model_len)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+            outputs, self._pending_outputs = self._pending_outputs, []
+        for kind, item in items:
+            if kind == "add":
+                if self.scheduler.find(item.request_id) is not None:
+                    outputs.append(_error_output(item, f"duplicate request id {item.request_id!r}"))
+                else:
+                    self.scheduler.add(item)
+            else:
+                request = self.scheduler.find(item)
+                if request is not None:
+                    request.finish_reason = FinishReason.ABORT
+                    self._release(request)
+                    outputs.append(self._output(request, [], "", None))
+        return outputs
+
+    def _release(self, request: Request) -> None:
+        if request.slot is not None:
+            self.target_cache.free(request.slot)
+            if self.draft_cache is not None:
+                self.draft_cache.free(request.slot)
+        self.scheduler.remove(request)
+
+    # ---- prefill --------------------------------------------------------------------------------
+
+    def _prefill(self, requests: list[Request], stats: StepStats) -> list[RequestOutput]:
+        """Run the prompts through the target, write drafter context, sample each first token."""
+        now = time.monotonic()
+        slots = [self._slot(r) for r in requests]
+        batch = ForwardBatch.build(slots, [r.prompt_ids for r in requests], [0] * len(requests), self.device)
+        logits, features = self.target.run(batch, self.target_cache, self.capture_layer_ids, last_only=True)
+        for r in requests:
+            r.scheduled_time = now
+            r.num_cached = len(r.prompt_ids)
+            self.target_cache.rollback(self._slot(r), r.num_cached)
+        if features is not None:
+            self._append_context(batch.slots, batch.starts, features, batch.lengths)
+        probs = target_probs(logits, self._logits_context(requests), logits.new_zeros(len(requests), 0).long())
+        uniforms = torch.stack([self._uniforms(r, 1) for r in requests])[:, 0].to(self.device)
+        first_ids = sample_from_probs(probs[:, 0], uniforms).tolist()
+        stats.num_prefills += len(requests)
+        stats.num_prefill_tokens += sum(batch.lengths)
+        outputs = []
+        for i, request in enumerate(requests):
+            request.first_token_time = time.monotonic()
+            logprob_rows = logits[i, :1] if request.params.logprobs is not None else None
+            outputs.append(self._commit_tokens(request, [first_ids[i]], logprob_rows, stats))
+        return outputs
+
+    def _append_context(
+        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
+    ) -> None:
+        """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
+
+        Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context
+        covers every position whose target feature is known (spec §10 cache discipline).
+        """
+        assert self.drafter is not None and self.draft_cache is not None
+        width = features.shape[1]
+        offsets = torch.arange(width, device=self.device)[None]
+        keep = offsets < torch.tensor(lengths, device=self.device)[:, None]  # [R, L]
+        positions = torch.tensor(starts, device=self.device)[:, None] + offsets
+        flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
+        self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
+        for slot, start, n in zip(slots, starts, lengths):
+            self.draft_cache.rollback(slot, start + n)
+
+    # ---- draft + select -------------------------------------------------------------------------
+
+    def _draft_and_select(self, rows: list[Request], stats: StepStats) -> _Block:
+        """One drafter forward for all rows, then top-k candidates and the selector walk."""
+        num_slots = self.block_size - 1
+        num_drafts = [max(0, min(num_slots, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
+        if not self.is_speculative:
+            empty = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+            probs = torch.zeros(len(rows), 0, 1, device=self.device)
+            return _Block(Proposal(empty, empty[..., None], probs), num_drafts)
+        assert self.drafter is not None and self.draft_cache is not None
+        t0 = time.perf_counter()
+        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
+        starts = torch.tensor([r.num_cached for r in rows], device=self.device)
+        hidden = self.drafter.draft_hidden(self.draft_cache, [self._slot(r) for r in rows], anchors, starts, self.block_size)
+        hidden = hidden[:, 1:]  # [R, J, H]; the anchor position is not drafted
+        logits = self.drafter.logits(hidden)  # [R, J, V]
+        t1 = time.perf_counter()
+        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
+        weights = self.drafter.selector_weights() if self.config.use_selector else None
+        lattice = lattice_scores(hidden, anchors, candidate_ids, unary, weights) if weights is not None else None
+        temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
+        uniforms = torch.stack([self._uniforms(r, num_slots) for r in rows]).to(self.device)
+        proposal = walk(candidate_ids, unary, lattice, temperatures, uniforms)
+        stats.draft_time += t1 - t0
+        stats.select_time += time.perf_counter() - t1
+        return _Block(proposal, num_drafts)
+
+    # ---- verify + commit ------------------------------------------------------------------------
+
+    def _verify_and_commit(self, rows: list[Request], block: _Block, stats: StepStats) -> list[RequestOutput]:
+        """One target forward over every row's block, acceptance, rollback and stop checks."""
+        t0 = time.perf_counter()
+        width = max(block.num_drafts)  # rows near their limits verify shorter blocks
+        draft_ids = block.proposal.draft_ids[:, :width]
+        candidate_ids = block.proposal.candidate_ids[:, :width]
+        draft_probs = block.proposal.draft_probs[:, :width]
+        draft_lists = draft_ids.tolist()
+        tokens = [[r.output_ids[-1], *draft_lists[i][: block.num_drafts[i]]] for i, r in enumerate(rows)]
+        slots = [self._slot(r) for r in rows]
+        batch = ForwardBatch.build(slots, tokens, [r.num_cached for r in rows], self.device)
+        logits, features = self.target.run(batch, self.target_cache, self.capture_layer_ids)
+        probs = target_probs(logits, self._logits_context(rows), draft_ids)
+        num_slots = self.block_size - 1
+        uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
+        num_accepted_t, next_ids_t = rejection_accept(
+            draft_ids,
+            candidate_ids,
+            draft_probs,
+            probs,
+            torch.tensor(block.num_drafts, device=self.device),
+            uniforms[:, :width],
+            uniforms[:, num_slots],
+        )
+        num_accepted, next_ids = num_accepted_t.tolist(), next_ids_t.tolist()
+        stats.verify_time += time.perf_counter() - t0
+        stats.num_decode_rows += len(rows)
+        if self.is_speculative:
+            stats.accepted_per_position = [0] * num_slots
+        outputs = []
+        for i, request in enumerate(rows):
+            acc = num_accepted[i]
+            emitted = [*draft_lists[i][:acc], next_ids[i]]
+            # Roll back: keep the anchor and the accepted drafts; the new anchor is not cached yet.
+            request.num_cached += acc + 1
+            self.target_cache.rollback(slots[i], request.num_cached)
+            logprob_rows = logits[i, : acc + 1] if request.params.logprobs is not None else None
+            output = self._commit_tokens(request, emitted, logprob_rows, stats)
+            self._count_acceptance(request, acc, len(output.new_token_ids), block.num_drafts[i], stats)
+            outputs.append(output)
+        live = [i for i, r in enumerate(rows) if not r.is_finished]
+        if self.is_speculative and features is not None and live:
+            # Carry the anchor's and accepted drafts' features into the drafter context (spec §5.4).
+            self._append_context(
+                [slots[i] for i in live],
+                [batch.starts[i] for i in live],
+                features[torch.tensor(live, device=self.device)],
+                [num_accepted[i] + 1 for i in live],
+            )
+        return outputs
+
+    @staticmethod
+    def _count_acceptance(request: Request, acc: int, num_committed: int, num_drafts: int, stats: StepStats) -> None:
+        """Count only the accepted prefix that was committed (a stop may truncate the block)."""
+        accepted = min(acc, num_committed)
+        request.num_verify_steps += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += accepted
+        stats.acceptance_lengths.append(num_committed)
+        if num_drafts:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_drafts
+            stats.num_accepted_tokens += accepted
+            for position in range(accepted):
+                stats.accepted_per_position[position] += 1
+
+    def _commit_tokens(
+        self, request: Request, token_ids: list[int], logits: torch.Tensor | None, stats: StepStats
+    ) -> RequestOutput:
+        """Append tokens one at a time until a stop; returns the step's delta for the request.
+
+        Stops, in order per token: stop token ids, EOS (unless ``ignore_eos``), stop strings,
+        ``max_tokens``. Tokens after the stop are dropped with their text and logprobs.
+        """
+        params = request.params
+        committed: list[int] = []
+        text = ""
+        for token in token_ids:
+            request.output_ids.append(token)
+            committed.append(token)
+            if request.detokenizer is not None:
+                result = request.detokenizer.add_tokens([token])
+                text += result.text
+                if result.stop_string is not None:
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, result.stop_string
+                    break
+            if token in params.stop_token_ids:
+                request.finish_reason, request.stop_reason = FinishReason.STOP, token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                request.finish_reason = FinishReason.STOP
+            elif request.remaining_tokens <= 0:
+                request.finish_reason = FinishReason.LENGTH
+            if request.is_finished:
+                break
+        if request.is_finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
+            text += request.detokenizer.flush()  # release text held back for a stop string that never came
+        request.output_text += text
+        logprobs = self._logprobs(committed, logits, params.logprobs) if logits is not None else None
+        if logprobs is not None:
+            request.logprobs.extend(logprobs)
+        stats.num_generated_tokens += len(committed)
+        return self._output(request, committed, text, logprobs)
+
+    @staticmethod
+    def _logprobs(token_ids: list[int], logits: torch.Tensor, num_top: int | None) -> list[TokenLogprob]:
+        """Raw target log-probabilities of the committed tokens: ``logits [≥n, V]``."""
+        n = len(token_ids)
+        logprobs = torch.log_softmax(logits[:n].float(), dim=-1)
+        chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+        top_values, top_ids = logprobs.topk(num_top or 1, dim=-1)
+        out = []
+        for i, token in enumerate(token_ids):
+            top = list(zip(top_ids[i].tolist(), top_values[i].tolist()))[: num_top or 0]
+            out.append(TokenLogprob(token, chosen[i], top))
+        return out
+
+    def _output(
+        self, request: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            new_logprobs=logprobs,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=request.num_output_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
+            num_verify_steps=request.num_verify_steps,
+        )
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _logits_context(self, rows: list[Request]) -> LogitsContext:
+        return LogitsContext(
+            params=[r.params for r in rows],
+            prompt_ids=[r.prompt_ids for r in rows],
+            output_ids=[r.output_ids for r in rows],
+            eos_token_ids=list(self.eos_token_ids),
+        )
+
+    @staticmethod
+    def _uniforms(request: Request, n: int) -> torch.Tensor:
+        """``n`` uniforms from the request's own generator (none drawn for greedy requests)."""
+        if request.params.is_greedy:
+            return torch.zeros(n)
+        return torch.rand(n, generator=request.generator)
+
+    @staticmethod
+    def _slot(request: Request) -> int:
+        assert request.slot is not None
+        return request.slot
+
+
+def _error_output(request: Request, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT.value,
+        stop_reason=None,
+        new_logprobs=None,
+        num_prompt_tokens=len(request.prompt_ids),
+        num_output_tokens=0,
+        num_draft_tokens=0,
+        num_accepted_tokens=0,
+        num_verify_steps=0,
+        error=message,
+    )
+
+
+def default_drafter_path() -> Path | None:
+    """The drafter shipped for the embedded default model, if this installation has one."""
+    path = Path(__file__).parent / "assets" / "smollm2-135m-dflash2"
+    return path if (path / "config.json").is_file() else None
+
+
+def untrained_default_drafter(target: Target, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """A randomly initialised DFlash 2 drafter shaped for the target (used until one is trained)."""
+    from dflash2.models.drafter_factory import drafter_config_for_target
+
+    logger.warning("no trained drafter found for the embedded model; using an untrained drafter (low acceptance)")
+    drafter = DFlashDrafter(drafter_config_for_target(target.config))
+    drafter.init_weights(seed=0)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+class LLM:
+    """Offline convenience API: ``LLM().generate(prompts, params)`` and ``LLM().stream(...)``.
+
+    Keyword arguments are ``EngineConfig`` fields (model, drafter, block_size, …).
+    """
+
+    def __init__(self, model: str | None = None, drafter: str | None = None, **kwargs: Any) -> None:
+        self.engine = Engine.from_config(EngineConfig(model=model, drafter=drafter, **kwargs))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """Wrap an existing engine (tests build tiny ones directly)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    def stream(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StepResult]:
+        """Submit the prompts and yield every step's ``StepResult`` (deltas + ``StepStats``) until done."""
+        ids = self._submit(prompts, params)
+        remaining = set(ids)
+        while remaining:
+            result = self.engine.step()
+            result.outputs = [o for o in result.outputs if o.request_id in ids]
+            for output in result.outputs:
+                if output.finished:
+                    remaining.discard(output.request_id)
+            yield result
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> list[Completion]:
+        """Generate to completion; returns one ``Completion`` per prompt, in order."""
+        ids = self._submit(prompts, params)
+        order = {rid: i for i, rid in enumerate(ids)}
+        completions = [Completion(request_id=rid) for rid in ids]
+        remaining = set(ids)
+        while remaining:
+            result = self.engine.step()
+            if on_step is not None:
+                on_step(result)
+            for output in result.outputs:
+                if output.request_id not in order:
+                    continue
+                completions[order[output.request_id]].add(output)
+                if output.finished:
+                    remaining.discard(output.request_id)
+        return completions
+
+    def _submit(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        batch: list[Any]
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            batch = [prompts]
+        else:
+            batch = list(prompts)
+        params = params or SamplingParams()
+        param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(batch):
+            raise ValueError("pass one SamplingParams or one per prompt")
+        return [self.engine.add_request(p, sp) for p, sp in zip(batch, param_list)]
+
+
+@dataclass
+class Completion:
+    """The accumulated result of one request from ``LLM.generate``."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold one step's ``RequestOutput`` into the completion."""
+        self.text += output.new_text
+        self.token_ids = [*(self.token_ids or []), *output.new_token_ids]
+        if output.new_logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *output.new_logprobs]
+        self.finish_reason, self.stop_reason, self.error = output.finish_reason, output.stop_reason, output.error
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_verify_steps = output.num_verify_steps
+        self.num_draft_tokens = output.num_draft_tokens
+        self.num_accepted_tokens = output.num_accepted_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Committed tokens per verify step (bonus included)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps

@@ -1,0 +1,70 @@
+"""Preallocated per-slot key/value cache with O(1) rollback.
+
+One tensor pair holds every layer's K/V for ``num_slots`` sequences of up to ``max_len``
+tokens. A slot's valid length is tracked in Python; attention masks ignore entries at or
+past it, so rolling back is one integer assignment and a later write simply overwrites.
+
+Dimension letters: N flattened tokens, R rows, nkv key-value heads, T key positions, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K/V storage ``[num_layers, num_slots, nkv, max_len, d]`` plus per-slot lengths.
+
+    Raises:
+        ValueError: from :meth:`write` when a position is outside ``[0, max_len)``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K and V tensors."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store ``k, v [N, nkv, d]`` for tokens at ``(slots [N], positions [N])``."""
+        self.k[layer, slots, :, positions] = k.to(self.k.dtype)
+        self.v[layer, slots, :, positions] = v.to(self.v.dtype)
+
+    def read(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``slots`` (R of them) for positions ``[0, length)``: each ``[R, nkv, length, d]``.
+
+        Contiguous ascending slots are returned as views (no copy).
+        """
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return (
+                self.k[layer, first : first + len(slots), :, :length],
+                self.v[layer, first : first + len(slots), :, :length],
+            )
+        index = torch.tensor(slots, device=self.k.device)
+        return self.k[layer, index, :, :length], self.v[layer, index, :, :length]
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Set a slot's valid length (O(1)); later positions are ignored and overwritten."""
+        self.lengths[slot] = length
+
+    def free(self, slot: int) -> None:
+        """Forget a slot's contents (its length becomes 0)."""
+        self.lengths[slot] = 0

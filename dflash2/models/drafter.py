@@ -1,0 +1,367 @@
+"""DFlash (v1) and DFlash 2 block drafters in the published checkpoint layout.
+
+Spec §2 (drafter forward), §3 (DFlash 2 dynamic convolution), §4 (candidate selector
+weights) and §1.3 (tensor names). The drafter shares the target's embedding and LM head,
+which are bound at run time and never saved with it.
+
+Dimension letters: R rows, B block size, N flattened context tokens, T context positions,
+H hidden size, F fused target layers, V vocab, K conv taps, G conv groups, r selector rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash2.config import DrafterConfig
+from dflash2.kv_cache import KVCache
+from dflash2.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention, softcap
+from dflash2.selector import SelectorWeights
+
+logger = logging.getLogger(__name__)
+
+# Names used by other publishers for the same tensors (spec §1.3).
+_KEY_ALIASES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."), ("midlayer.", "layers.0."))
+
+
+class DynamicConv(nn.Module):
+    """Two-tap (K-tap) dynamic short convolution around one sublayer (spec §3.2).
+
+    ``base_kernel [2, K, H]``: side 0 convolves the sublayer input, side 1 its output.
+    ``kernel_projection: H → 2·K·G`` gives a per-position correction shared by each group
+    of ``group_size`` contiguous channels; both sides' coefficients come from the pre-sublayer
+    input. Taps never cross a block boundary (position 0 reads zero padding).
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, kernel_size: int) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.kernel_size = kernel_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_to_identity()
+
+    def reset_to_identity(self) -> None:
+        """Identity initialisation (spec §3.4): tap 0 = 1, other taps 0, zero projection."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, B, H]`` (the sublayer input) → coefficients ``[R, B, 2, K, H]``."""
+        num_rows, block, _ = x.shape
+        dynamic = self.kernel_projection(x).view(num_rows, block, 2, self.kernel_size, self.num_groups)
+        return self.base_kernel + dynamic.repeat_interleave(self.group_size, dim=-1)
+
+    @staticmethod
+    def convolve(y: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """``out_t = Σ_j coefficients[:, t, j] ⊙ y_{t−j}`` with zeros before the block start.
+
+        Args:
+            y: ``[R, B, H]``; coefficients: ``[R, B, K, H]`` (one side).
+        """
+        out = coefficients[:, :, 0] * y
+        for tap in range(1, coefficients.shape[2]):
+            shifted = torch.zeros_like(y)
+            shifted[:, tap:] = y[:, :-tap]
+            out = out + coefficients[:, :, tap] * shifted
+        return out
+
+
+class DraftAttention(nn.Module):
+    """Qwen3-style attention whose queries are block tokens and keys/values are [context; block]."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [R, L, H]`` → ``(k, v)`` each ``[R, nkv, L, d]`` (k normed and rotated)."""
+        num_rows, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(num_rows, length, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(num_rows, length, self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block ``x [R, B, H]`` attends to ``context_k/v [R, nkv, T, d]`` and itself; mask ``[R, 1, B, T+B]``."""
+        num_rows, block, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(num_rows, block, self.num_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        keys = torch.cat([context_k.to(k.dtype), k], dim=2)
+        values = torch.cat([context_v.to(v.dtype), v], dim=2)
+        return self.o_proj(attention(q, keys, values, mask))
+
+
+class DraftLayer(nn.Module):
+    """One drafter decoder layer; with convolutions it is the DFlash 2 layer of spec §3.1."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mlp = MLP(hidden, config.intermediate_size)
+        self.attention_conv: DynamicConv | None = None
+        self.mlp_conv: DynamicConv | None = None
+        if config.has_conv:
+            self.attention_conv = DynamicConv(hidden, config.conv_group_size, config.conv_kernel_size)
+            self.mlp_conv = DynamicConv(hidden, config.conv_group_size, config.conv_kernel_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``h [R, B, H]`` → ``[R, B, H]``; the context K/V are never convolved."""
+        u = self.input_layernorm(h)
+        attn_coeff = None
+        if self.attention_conv is not None:
+            attn_coeff = self.attention_conv.coefficients(u)
+            u = DynamicConv.convolve(u, attn_coeff[:, :, 0])
+        a = self.self_attn(u, cos, sin, context_k, context_v, mask)
+        if attn_coeff is not None:
+            a = DynamicConv.convolve(a, attn_coeff[:, :, 1])
+        h = h + a
+        m = self.post_attention_layernorm(h)
+        mlp_coeff = None
+        if self.mlp_conv is not None:
+            mlp_coeff = self.mlp_conv.coefficients(m)
+            m = DynamicConv.convolve(m, mlp_coeff[:, :, 0])
+        y = self.mlp(m)
+        if mlp_coeff is not None:
+            y = DynamicConv.convolve(y, mlp_coeff[:, :, 1])
+        return h + y
+
+
+class CandidateSelector(nn.Module):
+    """Low-rank transition scorer of DFlash 2 (spec §4.2); tensor names as published."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        rank = config.selector_rank
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def weights(self) -> SelectorWeights:
+        """The tensors the pure selector functions take."""
+        return SelectorWeights(self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight)
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash / DFlash 2 drafter: one parallel forward drafts a whole block.
+
+    Use :meth:`bind_target` before drafting to share the target's embedding and LM head.
+    """
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(config) if config.has_selector else None
+        self.rotary = RotaryEmbedding(config.as_hf_rope_config(), config.head_dim)
+        self._target: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- construction -------------------------------------------------------------------
+
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Share the target's ``embed_tokens.weight [V, H]`` and ``lm_head.weight [V, H]``.
+
+        Raises:
+            ValueError: when the target's vocabulary or hidden size differs from the drafter's.
+        """
+        if embed_weight.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"drafter expects a target embedding of shape {(self.config.vocab_size, self.config.hidden_size)}, "
+                f"got {tuple(embed_weight.shape)}: the drafter was trained for a different target"
+            )
+        self._target = (embed_weight, lm_head_weight)
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Training initialisation: normal(std) linears, unit norms, identity convs (spec §3.4)
+        and a zero successor codebook (spec §4.4), so a fresh DFlash 2 equals DFlash."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+            for layer in self.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    if conv is not None:
+                        conv.reset_to_identity()
+            if self.candidate_selector is not None:
+                self.candidate_selector.successor_codebook.zero_()
+
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        """A context K/V cache (spec §2.6): one entry per committed token with a known target feature."""
+        c = self.config
+        return KVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, max_len, c.head_dim, dtype, device)
+
+    # ---- inference ----------------------------------------------------------------------
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Fuse target features: ``[..., F·H]`` → ``hidden_norm(fc(·))`` ``[..., H]`` (spec §2.1)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    @torch.inference_mode()
+    def append_context(
+        self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor
+    ) -> None:
+        """Write context K/V ("KV injection") for newly verified tokens of every layer.
+
+        Args:
+            cache: the draft KV cache.
+            slots: ``[N]`` int64 slot of each token; positions: ``[N]`` int64 absolute positions.
+            features: ``[N, F·H]`` target features of those tokens.
+        """
+        c = self.context(features)[None]  # [1, N, H]
+        cos, sin = self.rotary(positions[None], c.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(c, cos, sin)  # [1, nkv, N, d]
+            cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+    def block_mask(self, starts: torch.Tensor, block_size: int, context_len: int, layer: int) -> torch.Tensor:
+        """``[R, 1, B, T+B]`` bool mask of one layer for blocks starting at ``starts [R]``.
+
+        Context key j is visible when ``j < start`` (and inside the sliding window, if any);
+        block keys are all visible (bidirectional) unless the layer is causal (spec §2.4).
+        """
+        device = starts.device
+        keys = torch.arange(context_len, device=device)
+        query_pos = starts[:, None] + torch.arange(block_size, device=device)[None]  # [R, B]
+        ctx = keys[None, None] < starts[:, None, None]  # [R, 1, T]
+        window = self.config.layer_window(layer)
+        if window is not None:
+            ctx = ctx & (query_pos[:, :, None] - keys[None, None] < window)
+        ctx = ctx.expand(-1, block_size, -1)
+        blk = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+        if self.config.layer_is_causal(layer):
+            blk = blk.tril()
+        return torch.cat([ctx, blk[None].expand(len(starts), -1, -1)], dim=-1)[:, None]
+
+    @torch.inference_mode()
+    def draft_hidden(
+        self, cache: KVCache, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """One parallel forward over the blocks ``[anchor, MASK × (B−1)]`` of all rows.
+
+        Args:
+            cache: the draft KV cache holding context K/V for positions ``< starts[r]``.
+            slots: cache slot of each row (R).
+            anchor_ids: ``[R]`` the last verified token of each row.
+            starts: ``[R]`` int64 absolute position of each anchor (= context length).
+            block_size: B.
+
+        Returns:
+            ``[R, B, H]`` final-normed hidden states (position 0, the anchor, is unused).
+        """
+        assert self._target is not None, "bind_target() first"
+        embed_weight = self._target[0]
+        num_rows = len(slots)
+        block_ids = torch.full((num_rows, block_size), self.config.mask_token_id, device=anchor_ids.device)
+        block_ids[:, 0] = anchor_ids
+        h = nn.functional.embedding(block_ids, embed_weight) * self.config.input_embedding_scale
+        h = h.to(self.fc.weight.dtype)
+        positions = starts[:, None] + torch.arange(block_size, device=starts.device)[None]
+        cos, sin = self.rotary(positions, h.dtype)
+        context_len = int(starts.max())
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = cache.read(i, slots, context_len)
+            h = layer(h, cos, sin, ctx_k, ctx_v, self.block_mask(starts, block_size, context_len, i))
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Transformed unary logits ``softcap(lm_head(hidden) · output_multiplier)`` (spec §2.5), float32."""
+        assert self._target is not None, "bind_target() first"
+        logits = (hidden @ self._target[1].t().to(hidden.dtype)).float() * self.config.output_multiplier
+        return softcap(logits, self.config.final_logit_softcapping)
+
+    def selector_weights(self) -> SelectorWeights | None:
+        """Selector tensors, or None for a drafter without a selector."""
+        return self.candidate_selector.weights() if self.candidate_selector is not None else None
+
+    # ---- checkpoint -----------------------------------------------------------------------
+
+    def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config.save(folder)
+        tensors = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DFlashDrafter:
+        """Load a drafter folder; every tensor name and shape must match the config.
+
+        Raises:
+            FileNotFoundError: when config.json or the weights are missing.
+            ValueError: on missing, unexpected or mis-shaped tensors (all are listed).
+        """
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} has no config.json: pass a drafter folder (config.json + model.safetensors)")
+        config = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text()))
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder} has no .safetensors weights")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        model = cls(config)
+        model.load_weights(state)
+        return model.to(device=device, dtype=dtype)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` in, after alias remapping and a strict name/shape check."""
+        remapped = {}
+        for key, value in state.items():
+            key = key.removeprefix("model.")
+            for old, new in _KEY_ALIASES:
+                if key.startswith(old):
+                    key = new + key[len(old) :]
+            remapped[key] = value
+        expected = {k: v.shape for k, v in self.state_dict().items()}
+        missing = sorted(set(expected) - set(remapped))
+        unexpected = sorted(set(remapped) - set(expected))
+        wrong = sorted(k for k in expected.keys() & remapped.keys() if tuple(remapped[k].shape) != tuple(expected[k]))
+        if missing or unexpected or wrong:
+            raise ValueError(
+                "drafter checkpoint does not match its config.json: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}, wrong shape {wrong[:8]}"
+            )
+        self.load_state_dict(remapped, strict=True)

@@ -1,0 +1,67 @@
+"""Drafter shapes for a given target: used for fresh training runs and untrained defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash2.config import DrafterConfig, default_target_layer_ids
+
+
+def pick_mask_token_id(tokenizer: Any | None, vocab_size: int) -> int:
+    """A target embedding row to use as the MASK token (spec §1.1).
+
+    Order: a ``<|MASK|>`` token; a spare embedding row past the tokenizer; the last added
+    special token that is not BOS/EOS/PAD or part of a chat turn (for SmolLM2 ``<empty_output>``).
+    """
+    if tokenizer is None:
+        return vocab_size - 1
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab and vocab["<|MASK|>"] < vocab_size:
+        return int(vocab["<|MASK|>"])
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    reserved |= set(tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens))
+    candidates = [
+        i for i, tok in tokenizer.added_tokens_decoder.items() if i not in reserved and i < vocab_size and tok.special
+    ]
+    return int(max(candidates)) if candidates else vocab_size - 1
+
+
+def drafter_config_for_target(
+    target_config: Any,
+    *,
+    num_layers: int = 3,
+    block_size: int = 8,
+    conv: bool = True,
+    selector: bool = True,
+    selector_rank: int = 64,
+    selector_top_k: int = 16,
+    conv_group_size: int = 16,
+    mask_token_id: int | None = None,
+) -> DrafterConfig:
+    """A drafter config whose layers are shaped like the target's (hidden size must match)."""
+    hidden = int(target_config.hidden_size)
+    heads = int(target_config.num_attention_heads)
+    num_target_layers = int(target_config.num_hidden_layers)
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", heads)),
+        head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
+        intermediate_size=int(target_config.intermediate_size),
+        vocab_size=int(target_config.vocab_size),
+        block_size=block_size,
+        mask_token_id=mask_token_id if mask_token_id is not None else int(target_config.vocab_size) - 1,
+        target_layer_ids=tuple(default_target_layer_ids(num_target_layers, num_layers)),
+        num_target_layers=num_target_layers,
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 8192)),
+        conv_group_size=conv_group_size if conv else 0,
+        conv_kernel_size=2 if conv else 0,
+        selector_rank=selector_rank if selector else 0,
+        selector_top_k=selector_top_k if selector else 0,
+    )

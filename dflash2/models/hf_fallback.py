@@ -1,0 +1,118 @@
+"""Generic transformers fallback for causal LMs without a decoder written here.
+
+Runs one row at a time with a ``DynamicCache`` per slot, cropped to the committed length
+before each forward (the rollback). Results are identical to the batched decoders; it is
+only slower. Features come from ``output_hidden_states[id + 1]`` (spec §2.1).
+
+Dimension letters: R rows, L positions per row, V vocab, F·H captured features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash2.models.batch import ForwardBatch
+
+
+class SlotCaches:
+    """Per-slot ``DynamicCache`` objects with the same ``lengths`` bookkeeping as ``KVCache``."""
+
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        self.caches: list[Any] = [None] * num_slots
+        self.lengths = [0] * num_slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently held (grows with use; nothing is preallocated)."""
+        total = 0
+        for cache in self.caches:
+            if cache is not None:
+                for layer in getattr(cache, "layers", []):
+                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                        if isinstance(t, torch.Tensor):
+                            total += t.numel() * t.element_size()
+        return total
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Record the committed length; the cache is cropped before the slot's next forward."""
+        self.lengths[slot] = length
+
+    def free(self, slot: int) -> None:
+        """Drop a slot's cache."""
+        self.caches[slot] = None
+        self.lengths[slot] = 0
+
+
+class HFCausalLMTarget(nn.Module):
+    """Any ``AutoModelForCausalLM`` behind the target interface (batch 1 per forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers."""
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The input embedding module."""
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output head module."""
+        return self.model.get_output_embeddings()
+
+    def new_cache(self, num_slots: int, max_len: int) -> SlotCaches:
+        """Per-slot dynamic caches (allocated on first use)."""
+        return SlotCaches(num_slots, max_len)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        batch: ForwardBatch,
+        cache: SlotCaches,
+        capture_layer_ids: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as ``TargetModel.run``: logits ``[R, L or 1, V]`` and features ``[R, L, F·H]``."""
+        from transformers import DynamicCache
+
+        logits_rows, feature_rows = [], []
+        for r, slot in enumerate(batch.slots):
+            start, length = batch.starts[r], batch.lengths[r]
+            past = cache.caches[slot]
+            if past is None or start == 0:
+                past = DynamicCache(config=self.config)
+            elif past.get_seq_length() > start:
+                past.crop(start)
+            out = self.model(
+                input_ids=batch.input_ids[r : r + 1, :length],
+                position_ids=batch.positions[r : r + 1, :length],
+                past_key_values=past,
+                use_cache=True,
+                output_hidden_states=bool(capture_layer_ids),
+            )
+            cache.caches[slot] = out.past_key_values
+            logits = out.logits[0].float()  # [len, V]
+            logits_rows.append(logits[length - 1 :] if last_only else logits)
+            if capture_layer_ids:
+                feature_rows.append(torch.cat([out.hidden_states[i + 1][0] for i in capture_layer_ids], dim=-1))
+        return _pad(logits_rows), (_pad(feature_rows) if feature_rows else None)
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Stack ``[len_r, X]`` tensors into ``[R, max len, X]`` with zero padding."""
+    width = max(t.shape[0] for t in rows)
+    out = rows[0].new_zeros(len(rows), width, rows[0].shape[-1])
+    for r, t in enumerate(rows):
+        out[r, : t.shape[0]] = t
+    return out

@@ -1,0 +1,108 @@
+"""Building blocks shared by the target decoders and the drafter.
+
+Dimension letters: R rows, L positions per row, T key positions, H hidden size,
+nh / nkv query / key-value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm computed in float32 (Llama/Qwen convention)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (NeoX / rotate-half layout) for any position ids.
+
+    The inverse frequencies come from transformers' RoPE initialisers for scaled variants
+    (linear, llama3, yarn, longrope) so scaling matches the reference models exactly.
+
+    Raises:
+        ValueError: for the ``dynamic`` rope type, whose frequencies depend on sequence length.
+    """
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        scaling = 1.0
+        if rope_type == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        elif rope_type == "dynamic":
+            raise ValueError("rope_type 'dynamic' is not supported: its frequencies change with length")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [...]`` int64 → ``(cos, sin)`` each ``[..., d]`` in ``dtype``."""
+        freqs = positions[..., None].float() * self.inv_freq  # [..., d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [R, heads, L, d]`` by ``cos/sin [R, L, d]``."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked grouped-query attention.
+
+    Args:
+        q: ``[R, nh, L, d]``; k, v: ``[R, nkv, T, d]``; mask: ``[R, 1, L, T]`` bool, True = visible.
+
+    Returns:
+        ``[R, L, nh·d]``.
+    """
+    num_rows, num_heads, num_queries, head_dim = q.shape
+    groups = num_heads // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(num_rows, num_queries, num_heads * head_dim)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` when ``cap`` is a positive number, else the logits unchanged."""
+    if cap is None or cap <= 0:
+        return logits
+    return cap * torch.tanh(logits / cap)

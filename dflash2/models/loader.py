@@ -1,0 +1,147 @@
+"""Load a target (own decoder or transformers fallback), its tokenizer and a drafter.
+
+Raises ``ModelLoadError`` with a message that says what to do for every unsupported input:
+not a causal LM, missing files, or a drafter whose vocabulary does not match the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.hf_fallback import HFCausalLMTarget
+from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
+
+logger = logging.getLogger(__name__)
+
+Target = TargetModel | HFCausalLMTarget
+
+
+class ModelLoadError(ValueError):
+    """A model or drafter cannot be used; the message says what to do instead."""
+
+
+def load_hf_config(folder: Path) -> Any:
+    """The transformers config of a local model folder."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json: pass a Hugging Face model folder, a .gguf file or a hub id")
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights: convert the checkpoint to safetensors first")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                state[key] = f.get_tensor(key)
+    return state
+
+
+def load_target(folder: Path, dtype: torch.dtype, device: torch.device) -> Target:
+    """Build the target for ``folder``: ``TargetModel`` for the Llama family, else the fallback.
+
+    Raises:
+        ModelLoadError: when the folder is not a causal LM or its weights do not match.
+    """
+    config = load_hf_config(folder)
+    if config.model_type in SUPPORTED_MODEL_TYPES:
+        with torch.device("meta"):
+            model = TargetModel(config)
+        state = {k.removeprefix("model."): v for k, v in _read_safetensors(folder).items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        missing = sorted(set(expected) - set(state))
+        wrong = sorted(k for k in expected.keys() & state.keys() if tuple(state[k].shape) != expected[k])
+        if missing or wrong:
+            raise ModelLoadError(f"{folder}: weights do not match config.json (missing {missing[:5]}, wrong shape {wrong[:5]})")
+        unexpected = sorted(set(state) - set(expected))
+        if unexpected:
+            logger.warning("ignoring %d unexpected target tensors, e.g. %s", len(unexpected), unexpected[:3])
+        model.load_state_dict({k: state[k].to(dtype) for k in expected}, assign=True)
+        if getattr(config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = type(model.rotary)(config, model.head_dim)
+        return model.to(device).eval()
+    return _load_fallback(folder, config, dtype, device)
+
+
+def _load_fallback(folder: Path, config: Any, dtype: torch.dtype, device: torch.device) -> HFCausalLMTarget:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"{folder}: model_type {config.model_type!r} is not a causal language model; "
+            "dflash2 serves decoder-only text generation models"
+        )
+    logger.warning(
+        "model_type %r has no batched decoder here; using the transformers fallback (batch 1, slower)",
+        config.model_type,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    return HFCausalLMTarget(model.to(device).eval())
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The Hugging Face tokenizer saved with the model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def eos_token_ids(folder: Path, tokenizer: Any) -> list[int]:
+    """EOS ids from ``generation_config.json`` (falling back to the tokenizer's EOS)."""
+    ids: list[int] = []
+    path = folder / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return [int(i) for i in ids]
+
+
+def load_drafter(folder: Path, target: Target, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """Load a drafter and bind it to the target's embedding and LM head.
+
+    Raises:
+        ModelLoadError: missing files, a vocabulary or hidden-size mismatch with the target, or
+            target_layer_ids outside the target's layers.
+    """
+    try:
+        drafter = DFlashDrafter.load(folder, dtype=dtype, device=device)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load drafter from {folder}: {exc}") from exc
+    check_drafter_matches(drafter, target)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    return drafter.eval()
+
+
+def check_drafter_matches(drafter: DFlashDrafter, target: Target) -> None:
+    """Raise ``ModelLoadError`` unless the drafter was built for this target's shapes."""
+    c = drafter.config
+    vocab, hidden = target.embed_tokens.weight.shape
+    if c.vocab_size != vocab:
+        raise ModelLoadError(
+            f"drafter vocab_size {c.vocab_size} != target vocab size {vocab}: use a drafter trained for this target "
+            "(dflash2 train) or the target the drafter was trained for"
+        )
+    if c.hidden_size != hidden:
+        raise ModelLoadError(f"drafter hidden_size {c.hidden_size} != target hidden size {hidden}")
+    if max(c.target_layer_ids) >= target.num_layers:
+        raise ModelLoadError(
+            f"drafter target_layer_ids {list(c.target_layer_ids)} exceed the target's {target.num_layers} layers"
+        )

@@ -1,0 +1,179 @@
+"""Request state, finish reasons, per-step outputs and ``StepStats``."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash2.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (OpenAI values plus ``abort``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request inside the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one emitted token under the target, with the top alternatives.
+
+    Attributes:
+        token_id: the emitted token.
+        logprob: its natural-log probability under the raw target distribution.
+        top: ``[(token_id, logprob), …]`` best-first (length = the request's ``logprobs``).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Request:
+    """One generation request and everything the engine tracks for it.
+
+    ``output_ids[-1]`` is the anchor: the last verified token, not yet in the target cache.
+    The target cache of the slot holds ``num_cached`` tokens (prompt + output[:-1]).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: Any
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    output_text: str = ""
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens still allowed by ``max_tokens``."""
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + bonus), 0 before the first step."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta plus cumulative counts.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens committed this step (already truncated at a stop).
+        new_text: text that is safe to emit now (partial UTF-8 and partial stop strings held back).
+        new_logprobs: one ``TokenLogprob`` per new token when requested, else None.
+        finished / finish_reason / stop_reason: set on the last output of a request;
+            ``stop_reason`` is the matched stop string or stop token id (None for EOS).
+        num_prompt_tokens, num_output_tokens: cumulative token counts.
+        num_draft_tokens, num_accepted_tokens, num_verify_steps: cumulative speculative stats.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    new_logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    error: str | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Committed tokens per verify step so far (bonus included)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics and benchmarks.
+
+    Only committed tokens are counted: a stop inside an accepted block truncates the counts.
+
+    Attributes:
+        block_size: B used for this step (1 = autoregressive).
+        num_prefills: requests prefilled this step; num_prefill_tokens: their prompt tokens.
+        num_decode_rows: rows that took part in the draft–verify cycle.
+        num_drafts: verify steps with at least one drafted token.
+        num_draft_tokens: drafted tokens that were verified.
+        num_accepted_tokens: accepted drafted tokens that were committed.
+        accepted_per_position: length B−1; count of committed acceptances at each draft slot.
+        acceptance_lengths: per row, tokens committed by its verify step (bonus included).
+        num_generated_tokens: all tokens committed this step (prefill first tokens included).
+        draft_time, select_time, verify_time, total_time: seconds.
+        num_running, num_waiting: queue sizes after the step.
+        kv_cache_usage: fraction (0–1) of target KV positions in use after the step.
+    """
+
+    block_size: int = 1
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_rows: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    draft_time: float = 0.0
+    select_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """The outputs and statistics of one ``Engine.step``."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats

@@ -1,0 +1,63 @@
+"""Admission and slot bookkeeping for continuous batching (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dflash2.request import Request, RequestStatus
+
+
+class Scheduler:
+    """FIFO admission of waiting requests into a fixed number of KV slots.
+
+    Every slot holds one request for up to ``max_model_len`` tokens, so admission needs
+    only a free slot; requests longer than that are rejected before they get here.
+    """
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return len(self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request."""
+        self.waiting.append(request)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into free slots (lowest slot first); returns the admitted ones."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            request = self.waiting.popleft()
+            request.slot = self.free_slots.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queue or release its slot at once."""
+        if request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            assert request.slot is not None
+            self.free_slots.append(request.slot)
+            self.free_slots.sort(reverse=True)
+        request.status = RequestStatus.FINISHED
+
+    def find(self, request_id: str) -> Request | None:
+        """The queued or running request with this id, if any."""
+        for request in (*self.running, *self.waiting):
+            if request.request_id == request_id:
+                return request
+        return None

@@ -1,0 +1,135 @@
+"""DFlash 2 candidate selector: top-k candidates, lattice scores and the path walk.
+
+Spec §4 (dflash2-spec.md). Pure tensor functions with no state and no host syncs.
+
+Dimension letters:
+    R  rows (requests)            J  drafted slots per block (block size − 1)
+    k  candidates per slot         V  vocabulary size
+    H  hidden size                 r  selector rank
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """A drafted path and the proposal distribution that produced it.
+
+    Attributes:
+        draft_ids: ``[R, J]`` drafted tokens d_1..d_J.
+        candidate_ids: ``[R, J, k]`` top-k candidate ids per slot (sorted by unary score).
+        draft_probs: ``[R, J, k]`` float32 proposal q_j over ``candidate_ids[:, j]``,
+            conditioned on the realised predecessor; one-hot for greedy rows.
+    """
+
+    draft_ids: torch.Tensor
+    candidate_ids: torch.Tensor
+    draft_probs: torch.Tensor
+
+
+@dataclass
+class SelectorWeights:
+    """The three selector tensors of a DFlash 2 checkpoint (spec §1.3).
+
+    Attributes:
+        predecessor_codebook: ``[V, r]`` A(·).
+        successor_codebook: ``[V, r]`` B(·).
+        hidden_projection: ``[r, H]`` H(·) (a Linear weight, no bias).
+    """
+
+    predecessor_codebook: torch.Tensor
+    successor_codebook: torch.Tensor
+    hidden_projection: torch.Tensor
+
+
+def topk_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidates per slot (spec §4.1), sorted by descending unary score.
+
+    Args:
+        logits: ``[R, J, V]`` transformed unary draft logits.
+        k: candidates per slot (clamped to V).
+
+    Returns:
+        ``(candidate_ids [R, J, k] int64, unary_scores [R, J, k] float32)``.
+    """
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1, sorted=True)
+    return ids, values.float()
+
+
+def lattice_scores(
+    hidden: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    unary_scores: torch.Tensor,
+    weights: SelectorWeights,
+) -> torch.Tensor:
+    """Edge scores S_j(a, b) = U_j(b) + Σ_r A[a, r]·(Wh h_j)[r]·B[b, r] (spec §4.2).
+
+    Args:
+        hidden: ``[R, J, H]`` final-normed draft hidden states of the drafted slots.
+        anchor_ids: ``[R]`` the anchor token (the predecessor of slot 1).
+        candidate_ids: ``[R, J, k]``.
+        unary_scores: ``[R, J, k]``.
+        weights: selector tensors.
+
+    Returns:
+        ``[R, J, k_prev, k]`` float32 lattice; for slot 1 every predecessor row is the anchor.
+    """
+    num_rows, num_slots, k = candidate_ids.shape
+    prev_ids = torch.empty_like(candidate_ids)  # [R, J, k]
+    prev_ids[:, 0] = anchor_ids[:, None]
+    prev_ids[:, 1:] = candidate_ids[:, :-1]
+    projected = hidden.float() @ weights.hidden_projection.float().t()  # [R, J, r]
+    pred = weights.predecessor_codebook[prev_ids].float()  # [R, J, k_prev, r]
+    succ = weights.successor_codebook[candidate_ids].float()  # [R, J, k, r]
+    transition = torch.einsum("rjpx,rjx,rjkx->rjpk", pred, projected, succ)
+    return unary_scores[:, :, None, :] + transition
+
+
+def walk(
+    candidate_ids: torch.Tensor,
+    unary_scores: torch.Tensor,
+    lattice: torch.Tensor | None,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> Proposal:
+    """Walk one path through the candidates (spec §4.3), greedy or sampled per row.
+
+    Without a lattice (DFlash v1, or the selector switched off) each slot is scored by its
+    unary logits alone, so the greedy walk is the per-slot argmax and the sampled walk draws
+    from ``softmax(U_j / T)`` restricted to the top-k.
+
+    Args:
+        candidate_ids: ``[R, J, k]``.
+        unary_scores: ``[R, J, k]`` float32.
+        lattice: ``[R, J, k, k]`` from :func:`lattice_scores`, or None.
+        temperatures: ``[R]`` float32; rows with T ≤ 1e-5 walk greedily (ties → lowest index).
+        uniforms: ``[R, J]`` uniforms in [0, 1) for the sampled rows (inverse-CDF sampling).
+
+    Returns:
+        The :class:`Proposal` with one-hot ``draft_probs`` for greedy rows.
+    """
+    num_rows, num_slots, k = candidate_ids.shape
+    greedy = temperatures <= 1e-5
+    inv_t = 1.0 / temperatures.clamp(min=1e-5)
+    rows = torch.arange(num_rows, device=candidate_ids.device)
+    prev_index = torch.zeros(num_rows, dtype=torch.long, device=candidate_ids.device)
+    chosen, probs = [], []
+    for j in range(num_slots):
+        scores = unary_scores[:, j] if lattice is None else lattice[rows, j, prev_index]  # [R, k]
+        q = torch.softmax(scores * inv_t[:, None], dim=-1)
+        cdf = q.cumsum(dim=-1)
+        sampled = torch.searchsorted(cdf, uniforms[:, j : j + 1] * cdf[:, -1:], right=True).squeeze(-1)
+        index = torch.where(greedy, scores.argmax(dim=-1), sampled.clamp(max=k - 1))
+        one_hot = torch.nn.functional.one_hot(index, k).float()
+        probs.append(torch.where(greedy[:, None], one_hot, q))
+        chosen.append(index)
+        prev_index = index
+    index = torch.stack(chosen, dim=1) if chosen else candidate_ids.new_zeros(num_rows, 0)
+    draft_probs = torch.stack(probs, dim=1) if probs else unary_scores.new_zeros(num_rows, 0, k)
+    draft_ids = candidate_ids.gather(-1, index[..., None]).squeeze(-1)
+    return Proposal(draft_ids=draft_ids, candidate_ids=candidate_ids, draft_probs=draft_probs)

@@ -1,0 +1,93 @@
+"""Tiny random-weight models for tests: a Llama/Qwen3-style target and matching drafters."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from dflash2.config import DrafterConfig, EngineConfig
+from dflash2.engine import Engine
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.llama import TargetModel
+
+
+def tiny_target_config(model_type: str = "llama", vocab_size: int = 96, num_layers: int = 4):
+    """A 4-layer, 64-wide config of the given family."""
+    cls = Qwen3Config if model_type == "qwen3" else LlamaConfig
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_target(model_type: str = "llama", vocab_size: int = 96, seed: int = 0, scale: float = 1.0) -> TargetModel:
+    """Random-weight target; ``scale`` sharpens its distributions (larger = more peaked)."""
+    torch.manual_seed(seed)
+    model = TargetModel(tiny_target_config(model_type, vocab_size))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+        model.lm_head.weight.mul_(scale * 10)
+    return model.eval()
+
+
+def tiny_drafter_config(version: int = 2, block_size: int = 8, vocab_size: int = 96, top_k: int = 8) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=vocab_size,
+        block_size=block_size,
+        mask_token_id=vocab_size - 1,
+        target_layer_ids=(1, 2),
+        num_target_layers=4,
+        conv_group_size=16 if version == 2 else 0,
+        conv_kernel_size=2 if version == 2 else 0,
+        selector_rank=8 if version == 2 else 0,
+        selector_top_k=top_k if version == 2 else 0,
+    )
+
+
+def tiny_drafter(target: TargetModel, version: int = 2, block_size: int = 8, seed: int = 1, random_extras: bool = True):
+    """A drafter bound to ``target``; v2 extras get random (non-identity) weights by default."""
+    drafter = DFlashDrafter(tiny_drafter_config(version, block_size, target.config.vocab_size))
+    drafter.init_weights(std=0.08, seed=seed)
+    if random_extras and version == 2:
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "conv" in name or "candidate_selector" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    return drafter.eval()
+
+
+def tiny_engine(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    block_size: int | None = None,
+    max_num_seqs: int = 4,
+    eos: tuple[int, ...] = (),
+    **kwargs,
+) -> Engine:
+    config = EngineConfig(
+        block_size=block_size if drafter is not None else 1,
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        device="cpu",
+        dtype="float32",
+        **kwargs,
+    )
+    return Engine(config, target, None, drafter, eos_token_ids=eos)
