@@ -91,3 +91,43 @@ def tiny_engine(
         **kwargs,
     )
     return Engine(config, target, None, drafter, eos_token_ids=eos)
+
+
+class OracleDrafter(DFlashDrafter):
+    """Test double: drafts the reference continuation of each slot, corrupting a fraction of slots.
+
+    ``references[slot]`` is the full token sequence (prompt + greedy target output) that the
+    request in that slot will produce; the drafter proposes ``reference[s+1 : s+B]`` for a
+    block anchored at position s, so acceptance is high and full blocks are exercised.
+    """
+
+    def __init__(self, config: DrafterConfig, references: dict[int, list[int]], error_rate: float, seed: int = 0):
+        super().__init__(config)
+        self.references = references
+        self.error_rate = error_rate
+        self.generator = torch.Generator().manual_seed(seed)
+        self._planned: torch.Tensor | None = None
+
+    def draft_hidden(self, cache, slots, anchor_ids, starts, block_size):
+        planned = torch.zeros(len(slots), block_size, dtype=torch.long)
+        for r, slot in enumerate(slots):
+            ref, s = self.references.get(slot, []), int(starts[r])
+            for j in range(1, block_size):
+                token = ref[s + j] if s + j < len(ref) else 0
+                if float(torch.rand(1, generator=self.generator)) < self.error_rate:
+                    token = int(torch.randint(self.config.vocab_size, (1,), generator=self.generator))
+                planned[r, j] = token
+        self._planned = planned
+        return torch.zeros(len(slots), block_size, self.config.hidden_size)
+
+    def logits(self, hidden):
+        assert self._planned is not None
+        planned = self._planned[:, -hidden.shape[1] :]
+        return torch.nn.functional.one_hot(planned, self.config.vocab_size).float() * 20.0
+
+
+def oracle_drafter(target: TargetModel, references: dict[int, list[int]], block_size: int, error_rate: float = 0.2):
+    drafter = OracleDrafter(tiny_drafter_config(2, block_size, target.config.vocab_size), references, error_rate)
+    drafter.init_weights(std=0.02, seed=3)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    return drafter.eval()

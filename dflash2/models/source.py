@@ -272,24 +272,23 @@ def convert_gguf(
     try:
         try:
             _write_hf_folder(source, tmp)
+            marker = {
+                "source": str(source),
+                "source_size": source.stat().st_size,
+                "fingerprint": gguf_fingerprint(source),
+                "conversion_version": _CONVERSION_VERSION,
+                "seconds": round(time.perf_counter() - started, 2),
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         except ModelSourceError:
             raise
         except Exception as exc:
             raise ModelSourceError(
                 f"Could not convert GGUF file {source}: {type(exc).__name__}: {exc}. Check that the file is "
-                "a complete GGUF model of an architecture transformers can load from GGUF, or pass a "
-                "Hugging Face folder or Hub id instead."
+                "a complete GGUF model of an architecture transformers can load from GGUF and that "
+                f"{target.parent} has room for it, or pass a Hugging Face folder or Hub id instead."
             ) from exc
-        elapsed = time.perf_counter() - started
-        marker = {
-            "source": str(source),
-            "source_size": source.stat().st_size,
-            "fingerprint": gguf_fingerprint(source),
-            "conversion_version": _CONVERSION_VERSION,
-            "seconds": round(elapsed, 2),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _move_into_place(tmp, target, replace_complete=was_complete)
     finally:
         if tmp.exists():

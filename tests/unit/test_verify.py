@@ -1,0 +1,71 @@
+"""Rejection sampling is lossless; greedy rows reduce to prefix matching."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from dflash2.verify import rejection_accept
+
+
+def _first_emitted(num_accepted, next_ids, draft_ids):
+    return torch.where(num_accepted > 0, draft_ids[:, 0], next_ids)
+
+
+def test_first_token_follows_target_including_tokens_outside_top_k():
+    g = torch.Generator().manual_seed(0)
+    vocab, k, n = 10, 3, 200_000
+    target = torch.softmax(torch.randn(vocab, generator=g) * 1.5, dim=0)
+    candidates = torch.tensor([7, 2, 4])  # deliberately not the target's favourites
+    proposal = torch.tensor([0.6, 0.3, 0.1])
+    index = torch.multinomial(proposal, n, replacement=True, generator=g)
+    draft_ids = candidates[index][:, None]  # [n, 1]
+    num_accepted, next_ids = rejection_accept(
+        draft_ids,
+        candidates.expand(n, 1, k),
+        proposal.expand(n, 1, k),
+        target.expand(n, 2, vocab),
+        torch.ones(n, dtype=torch.long),
+        torch.rand(n, 1, generator=g),
+        torch.rand(n, generator=g),
+    )
+    counts = torch.bincount(_first_emitted(num_accepted, next_ids, draft_ids), minlength=vocab).double()
+    expected = target.double() / target.double().sum() * counts.sum()
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    assert 0.5 * (counts / n - target.double()).abs().sum() < 0.01
+    outside = [t for t in range(vocab) if t not in candidates.tolist()]
+    assert counts[outside].sum() > 0.3 * n * 0.5  # reachable only through the residual
+
+
+def test_bonus_after_full_acceptance_follows_last_row():
+    vocab, n = 6, 50_000
+    g = torch.Generator().manual_seed(1)
+    rows = torch.softmax(torch.randn(3, vocab, generator=g), dim=-1)
+    # Proposal equal to the target on slots 0,1 restricted to all tokens: always accepted.
+    draft_ids = torch.tensor([[2, 3]]).expand(n, 2)
+    candidates = torch.arange(vocab).expand(n, 2, vocab)
+    one_hot = torch.nn.functional.one_hot(torch.tensor([2, 3]), vocab).float().expand(n, 2, vocab)
+    target = rows.clone()
+    target[0], target[1] = one_hot[0, 0], one_hot[0, 1]
+    num_accepted, next_ids = rejection_accept(
+        draft_ids, candidates, one_hot, target.expand(n, 3, vocab), torch.full((n,), 2),
+        torch.rand(n, 2, generator=g), torch.rand(n, generator=g),
+    )
+    assert bool((num_accepted == 2).all())
+    counts = torch.bincount(next_ids, minlength=vocab).double()
+    expected = rows[2].double() / rows[2].double().sum() * counts.sum()
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_greedy_rows_accept_the_matching_prefix():
+    vocab = 8
+    target_ids = torch.tensor([[3, 5, 1, 6], [2, 2, 2, 2]])  # argmax per position
+    target = torch.nn.functional.one_hot(target_ids, vocab).float()
+    draft_ids = torch.tensor([[3, 5, 0], [2, 2, 2]])
+    candidates = draft_ids[..., None]
+    one_hot = torch.ones(2, 3, 1)
+    num_accepted, next_ids = rejection_accept(
+        draft_ids, candidates, one_hot, target, torch.tensor([3, 2]), torch.rand(2, 3), torch.rand(2)
+    )
+    assert num_accepted.tolist() == [2, 2]  # row 1 is limited to 2 drafts
+    assert next_ids.tolist() == [1, 2]  # correction token, then the bonus at position 2
