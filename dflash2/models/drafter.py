@@ -344,7 +344,10 @@ class DFlashDrafter(nn.Module):
             state.update(load_file(str(file)))
         model = cls(config)
         model.load_weights(state)
-        return model.to(device=device, dtype=dtype)
+        model = model.to(device=device, dtype=dtype)
+        # ``to(dtype)`` also casts the RoPE frequency buffer; keep it float32 like the target's.
+        model.rotary = RotaryEmbedding(config.as_hf_rope_config(), config.head_dim).to(device)
+        return model
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy ``state`` in, after alias remapping and a strict name/shape check."""

@@ -93,7 +93,7 @@ class HFCausalLMTarget(nn.Module):
             if past is None or start == 0:
                 past = DynamicCache(config=self.config)
             elif past.get_seq_length() > start:
-                past.crop(start)
+                past.crop(start - past.get_seq_length())  # negative: drop that many trailing tokens
             out = self.model(
                 input_ids=batch.input_ids[r : r + 1, :length],
                 position_ids=batch.positions[r : r + 1, :length],

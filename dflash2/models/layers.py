@@ -57,6 +57,14 @@ class RotaryEmbedding(nn.Module):
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         scaling = 1.0
+        with torch.device("cpu"):  # real values even when the model is built on the meta device
+            inv_freq, scaling = self._inverse_frequencies(config, rope_type, theta, head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    @staticmethod
+    def _inverse_frequencies(config: Any, rope_type: str, theta: float, head_dim: int) -> tuple[torch.Tensor, float]:
+        scaling = 1.0
         if rope_type == "default":
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         elif rope_type == "dynamic":
@@ -65,8 +73,7 @@ class RotaryEmbedding(nn.Module):
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.scaling = float(scaling)
+        return inv_freq, float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [...]`` int64 → ``(cos, sin)`` each ``[..., d]`` in ``dtype``."""

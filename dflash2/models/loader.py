@@ -73,7 +73,6 @@ def load_target(folder: Path, dtype: torch.dtype, device: torch.device) -> Targe
         model.load_state_dict({k: state[k].to(dtype) for k in expected}, assign=True)
         if getattr(config, "tie_word_embeddings", False):
             model.lm_head.weight = model.embed_tokens.weight
-        model.rotary = type(model.rotary)(config, model.head_dim)
         return model.to(device).eval()
     return _load_fallback(folder, config, dtype, device)
 

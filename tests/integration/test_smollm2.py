@@ -1,0 +1,109 @@
+"""The embedded SmolLM2-135M-Instruct target: greedy equality, stop strings, detokenized text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2 import LLM, EngineConfig, SamplingParams
+from dflash2.engine import Engine, untrained_default_drafter
+from dflash2.models import loader, source
+from dflash2.models.drafter_factory import drafter_config_for_target
+from tests.tiny import OracleDrafter
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    folder = source.resolve_model(None)
+    tokenizer = loader.load_tokenizer(folder)
+    target = loader.load_target(folder, torch.float32, torch.device("cpu"))
+    return folder, tokenizer, target, loader.eos_token_ids(folder, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    _, tokenizer, _, _ = model
+    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.", "List three prime numbers."]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+
+
+def _engine(model, drafter, block_size, max_num_seqs=3):
+    folder, tokenizer, target, eos = model
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=512, device="cpu",
+                          dtype="float32")
+    return Engine(config, target, tokenizer, drafter, eos, "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    llm = LLM.from_engine(_engine(model, None, 1))
+    return llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+def test_default_model_answers(reference):
+    assert "Paris" in reference[0].text
+    assert all(c.token_ids for c in reference)
+
+
+def test_untrained_drafter_greedy_equals_autoregressive(model, prompts, reference):
+    target = model[2]
+    drafter = untrained_default_drafter(target, torch.float32, torch.device("cpu"))
+    outputs = LLM.from_engine(_engine(model, drafter, 8)).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    )
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert [o.text for o in outputs] == [r.text for r in reference]
+
+
+def _oracle(model, prompts, reference, block_size=8, error_rate=0.1):
+    _, tokenizer, target, _ = model
+    refs = {i: tokenizer.encode(p) + r.token_ids for i, (p, r) in enumerate(zip(prompts, reference))}
+    drafter = OracleDrafter(drafter_config_for_target(target.config, num_layers=1, block_size=block_size,
+                                                      selector_rank=8), refs, error_rate)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    return drafter
+
+
+def test_high_acceptance_greedy_equals_autoregressive(model, prompts, reference):
+    outputs = LLM.from_engine(_engine(model, _oracle(model, prompts, reference), 8)).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    )
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert min(o.mean_acceptance_length for o in outputs) > 2.5
+
+
+def test_stop_string_inside_an_accepted_block(model, prompts, reference):
+    text = reference[1].text
+    words = text.split()
+    stop = words[len(words) // 2]  # a word from the middle of the answer
+    cut = text.index(stop)
+    llm = LLM.from_engine(_engine(model, _oracle(model, prompts, reference, error_rate=0.0), 8))
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop]))[0]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(reference[1].token_ids)
+    assert out.token_ids == reference[1].token_ids[: len(out.token_ids)]
+    tokenizer = model[1]
+    assert stop in tokenizer.decode(out.token_ids) and stop not in tokenizer.decode(out.token_ids[:-1])
+    kept = llm.generate([prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop],
+                                                     include_stop_str_in_output=True))[0]
+    assert kept.text == text[: cut + len(stop)]
+
+
+def test_streamed_text_concatenates_to_full_text(model, prompts, reference):
+    llm = LLM.from_engine(_engine(model, _oracle(model, prompts, reference, error_rate=0.3), 8))
+    pieces = []
+    for result in llm.stream(prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)):
+        pieces += [o.new_text for o in result.outputs]
+    assert "".join(pieces) == reference[2].text
+
+
+def test_eos_from_generation_config(model):
+    folder, tokenizer, _, eos = model
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos

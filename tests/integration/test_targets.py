@@ -1,0 +1,122 @@
+"""Our decoders match the transformers reference; the generic fallback gives identical results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from dflash2 import LLM, EngineConfig, SamplingParams
+from dflash2.engine import Engine
+from dflash2.kv_cache import KVCache
+from dflash2.models import loader
+from dflash2.models.batch import ForwardBatch
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.hf_fallback import HFCausalLMTarget
+from dflash2.models.llama import TargetModel
+from tests.tiny import tiny_drafter_config
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 32}}),
+}
+
+
+def _save_hf(tmp_path, family: str):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decoder_matches_transformers(tmp_path, family):
+    reference = _save_hf(tmp_path, family)
+    target = loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
+    assert isinstance(target, TargetModel)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7]]
+    cache = target.new_cache(2, 64)
+    batch = ForwardBatch.build([0, 1], prompts, [0, 0], "cpu")
+    logits, _ = target.run(batch, cache)
+    for r, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        assert torch.allclose(logits[r, : len(prompt)], expected, atol=1e-4), family
+    # Incremental: 3 more tokens on row 0 through the cache equal the full forward.
+    extra = [20, 21, 22]
+    step, _ = target.run(ForwardBatch.build([0], [extra], [len(prompts[0])], "cpu"), cache)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[0] + extra])).logits[0, -3:]
+    assert torch.allclose(step[0], expected, atol=1e-4)
+
+
+def test_features_are_layer_outputs(tmp_path):
+    reference = _save_hf(tmp_path, "llama")
+    target = loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
+    prompt = [3, 4, 5, 6]
+    _, features = target.run(ForwardBatch.build([0], [prompt], [0], "cpu"), target.new_cache(1, 16), (1, 3))
+    with torch.no_grad():
+        hidden = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    # spec §2.1: layer id's output is HF hidden_states[id + 1]; the last layer's is before the final norm
+    assert torch.allclose(features[0, :, :64], hidden[2][0], atol=1e-5)
+    assert not torch.allclose(features[0, :, 64:], hidden[4][0], atol=1e-3)  # hidden[4] has the final norm
+    with torch.no_grad():
+        cache = KVCache(4, 1, 2, 16, 16, torch.float32, "cpu")
+        _, raw = target.run(ForwardBatch.build([0], [prompt], [0], "cpu"), cache, (3,))
+    assert raw is not None and raw.shape == (1, 4, 64)
+
+
+def _fallback_model(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=4, n_head=4, n_positions=256)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_fallback_greedy_speculative_equals_autoregressive_and_transformers(tmp_path):
+    reference = _fallback_model(tmp_path)
+    target = loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
+    assert isinstance(target, HFCausalLMTarget)
+    drafter = DFlashDrafter(tiny_drafter_config(2, 8, 96))
+    drafter.init_weights(std=0.05, seed=0)
+    loader.check_drafter_matches(drafter, target)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+
+    def run(d, block):
+        config = EngineConfig(block_size=block, max_num_seqs=2, max_model_len=128, device="cpu", dtype="float32")
+        return [c.token_ids for c in LLM.from_engine(Engine(config, target, None, d)).generate(prompts, params)]
+
+    ar, spec = run(None, 1), run(drafter, 8)
+    assert ar == spec
+    for prompt, tokens in zip(prompts, ar):
+        with torch.no_grad():
+            hf = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert hf[0, len(prompt):].tolist() == tokens
+
+
+def test_not_a_causal_lm_is_rejected(tmp_path):
+    transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(loader.ModelLoadError, match="not a causal language model"):
+        loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_missing_files_are_reported(tmp_path):
+    with pytest.raises(loader.ModelLoadError, match="config.json"):
+        loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
+    with pytest.raises(loader.ModelLoadError, match="drafter"):
+        loader.load_drafter(tmp_path, None, torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
