@@ -20,23 +20,49 @@ _DEFAULTS = EngineConfig()
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model and engine flags (names follow SGLang / vLLM where they exist)."""
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default=_DEFAULTS.model,
-                   help="target: local Hugging Face folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--speculative-draft-model-path", "--drafter", dest="drafter", default=_DEFAULTS.drafter,
-                   help="DFlash / DFlash 2 drafter folder (config.json + model.safetensors)")
-    g.add_argument("--speculative-num-draft-tokens", "--block-size", dest="block_size", type=int,
-                   default=_DEFAULTS.block_size,
-                   help="block size B, anchor included (1 = autoregressive; default: the drafter's)")
-    g.add_argument("--no-selector", dest="use_selector", action="store_false",
-                   help="draft with unary scores only (DFlash 2 selector off)")
+    g.add_argument(
+        "--model",
+        default=_DEFAULTS.model,
+        help="target: local Hugging Face folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        "--drafter",
+        dest="drafter",
+        default=_DEFAULTS.drafter,
+        help="DFlash / DFlash 2 drafter folder (config.json + model.safetensors)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        "--block-size",
+        dest="block_size",
+        type=int,
+        default=_DEFAULTS.block_size,
+        help="block size B, anchor included (1 = autoregressive; default: the drafter's)",
+    )
+    g.add_argument(
+        "--no-selector",
+        dest="use_selector",
+        action="store_false",
+        help="draft with unary scores only (DFlash 2 selector off)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="requests decoded together")
-    g.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
-                   help="prompt + output tokens per request (default: min(model limit, 2048))")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_DEFAULTS.max_model_len,
+        help="prompt + output tokens per request (default: min(model limit, 2048))",
+    )
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, …")
     g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", *DTYPES])
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
-    g.add_argument("--threads", dest="num_threads", type=int, default=_DEFAULTS.num_threads,
-                   help="torch CPU threads (default: torch's choice)")
+    g.add_argument(
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=_DEFAULTS.num_threads,
+        help="torch CPU threads (default: torch's choice)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -62,24 +88,38 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = llm.engine.tokenizer
     prompt = args.prompt
     if not args.raw and tokenizer is not None and tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               tokenize=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_request, stop=tuple(args.stop or ()))
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_request,
+        stop=tuple(args.stop or ()),
+    )
     start = time.perf_counter()
     first_token_at = None
     num_tokens = num_steps = num_accepted = 0
     draft_time = select_time = verify_time = 0.0
     for result in llm.stream(prompt, params):
         stats = result.stats
-        draft_time, select_time, verify_time = (draft_time + stats.draft_time, select_time + stats.select_time,
-                                                verify_time + stats.verify_time)
+        draft_time, select_time, verify_time = (
+            draft_time + stats.draft_time,
+            select_time + stats.select_time,
+            verify_time + stats.verify_time,
+        )
         for out in result.outputs:
             if first_token_at is None and out.new_token_ids:
                 first_token_at = time.perf_counter()
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
-            num_tokens, num_steps, num_accepted = out.num_output_tokens, out.num_verify_steps, out.num_accepted_tokens
+            num_tokens, num_steps, num_accepted = (
+                out.num_output_tokens,
+                out.num_verify_steps,
+                out.num_accepted_tokens,
+            )
     elapsed = time.perf_counter() - start
     tau = (num_accepted + num_steps) / num_steps if num_steps else 0.0
     decode_time = elapsed - ((first_token_at or start) - start)

@@ -161,7 +161,7 @@ class DrafterConfig:
             conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
             selector_rank=int(pick("selector_rank", 0) or 0),
             selector_top_k=int(pick("selector_top_k", 0) or 0),
-            output_multiplier=float(pick("output_multiplier", 1.0) or 1.0),
+            output_multiplier=float(1.0 if pick("output_multiplier") is None else pick("output_multiplier")),
             final_logit_softcapping=float(softcap) if softcap and float(softcap) > 0 else None,
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             extra={k: v for k, v in dflash.items() if k in ("causal",)},
@@ -202,7 +202,10 @@ class DrafterConfig:
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
         if self.version == 2:
-            out["is_causal"] = False if self.is_causal is None else self.is_causal
+            if self.is_causal is not None:
+                out["is_causal"] = self.is_causal
+            elif not any(self.layer_is_causal(i) for i in range(self.num_hidden_layers)):
+                out["is_causal"] = False  # the published layout; leaving it out would mean the same
             out["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
             dflash.update(
                 block_size=self.block_size,
@@ -233,10 +236,9 @@ class DrafterConfig:
     def as_hf_rope_config(self) -> Any:
         """A minimal object with the attributes ``RotaryEmbedding`` reads."""
 
-        class _Rope:
-            rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        from types import SimpleNamespace
 
-        return _Rope()
+        return SimpleNamespace(rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"})
 
 
 @dataclass(frozen=True)
@@ -295,5 +297,3 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict view (for logging)."""
         return asdict(self)
-
-

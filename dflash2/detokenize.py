@@ -129,9 +129,7 @@ class IncrementalDetokenizer:
             RuntimeError: If called after a stop string matched or after :meth:`flush`.
         """
         if self._finished:
-            raise RuntimeError(
-                "IncrementalDetokenizer is finished: a stop string matched or flush() was called"
-            )
+            raise RuntimeError("IncrementalDetokenizer is finished: a stop string matched or flush() was called")
         parts: list[str] = []
         for index, token_id in enumerate(token_ids):
             self._window.append(int(token_id))

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from dflash2.config import EngineConfig
+from dflash2.models.base import Target
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
-from dflash2.models.loader import Target
 from dflash2.request import (
     FinishReason,
     Request,
@@ -83,13 +83,14 @@ class Engine:
         self.drafter = drafter
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_name = model_name
-        self.device = target.embed_tokens.weight.device
-        self.vocab_size = int(target.embed_tokens.weight.shape[0])
+        embed_weight = target.embedding_weights()[0]
+        self.device: torch.device = embed_weight.device
+        self.vocab_size = int(embed_weight.shape[0])
         self.block_size = self._resolve_block_size()
         self.max_model_len = config.max_model_len or min(
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
         )
-        self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if self.is_speculative else ()
+        self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter and self.is_speculative else ()
         self.num_candidates = (drafter.config.selector_top_k if drafter and drafter.config.has_selector else 0) or (
             DEFAULT_TOP_K
         )
@@ -342,7 +343,9 @@ class Engine:
     def _draft_and_select(self, rows: list[Request], stats: StepStats) -> _Block:
         """One drafter forward for all rows, then top-k candidates and the selector walk."""
         num_slots = self.block_size - 1
-        num_drafts = [max(0, min(num_slots, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
+        num_drafts = [
+            max(0, min(num_slots, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows
+        ]
         if not self.is_speculative:
             empty = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
             probs = torch.zeros(len(rows), 0, 1, device=self.device)
@@ -351,7 +354,9 @@ class Engine:
         t0 = time.perf_counter()
         anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        hidden = self.drafter.draft_hidden(self.draft_cache, [self._slot(r) for r in rows], anchors, starts, self.block_size)
+        hidden = self.drafter.draft_hidden(
+            self.draft_cache, [self._slot(r) for r in rows], anchors, starts, self.block_size
+        )
         hidden = hidden[:, 1:]  # [R, J, H]; the anchor position is not drafted
         logits = self.drafter.logits(hidden)  # [R, J, V]
         t1 = time.perf_counter()
@@ -555,7 +560,7 @@ def untrained_default_drafter(target: Target, dtype: torch.dtype, device: torch.
     logger.warning("no trained drafter found for the embedded model; using an untrained drafter (low acceptance)")
     drafter = DFlashDrafter(drafter_config_for_target(target.config))
     drafter.init_weights(seed=0)
-    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    drafter.bind_target(*target.embedding_weights())
     return drafter.to(device=device, dtype=dtype).eval()
 
 
@@ -653,7 +658,11 @@ class Completion:
         self.token_ids = [*(self.token_ids or []), *output.new_token_ids]
         if output.new_logprobs is not None:
             self.logprobs = [*(self.logprobs or []), *output.new_logprobs]
-        self.finish_reason, self.stop_reason, self.error = output.finish_reason, output.stop_reason, output.error
+        self.finish_reason, self.stop_reason, self.error = (
+            output.finish_reason,
+            output.stop_reason,
+            output.error,
+        )
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_verify_steps = output.num_verify_steps
         self.num_draft_tokens = output.num_draft_tokens

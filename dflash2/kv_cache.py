@@ -40,9 +40,7 @@ class KVCache:
         """Bytes held by the K and V tensors."""
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v [N, nkv, d]`` for tokens at ``(slots [N], positions [N])``."""
         self.k[layer, slots, :, positions] = k.to(self.k.dtype)
         self.v[layer, slots, :, positions] = v.to(self.v.dtype)

@@ -72,7 +72,10 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
-            (all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (
+                all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, message in checks:
             if not ok:

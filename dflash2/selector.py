@@ -79,7 +79,6 @@ def lattice_scores(
     Returns:
         ``[R, J, k_prev, k]`` float32 lattice; for slot 1 every predecessor row is the anchor.
     """
-    num_rows, num_slots, k = candidate_ids.shape
     prev_ids = torch.empty_like(candidate_ids)  # [R, J, k]
     prev_ids[:, 0] = anchor_ids[:, None]
     prev_ids[:, 1:] = candidate_ids[:, :-1]

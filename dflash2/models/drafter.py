@@ -26,7 +26,11 @@ from dflash2.selector import SelectorWeights
 logger = logging.getLogger(__name__)
 
 # Names used by other publishers for the same tensors (spec §1.3).
-_KEY_ALIASES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."), ("midlayer.", "layers.0."))
+_KEY_ALIASES = (
+    ("encoder.fc.", "fc."),
+    ("encoder.output_norm_enc.", "hidden_norm."),
+    ("midlayer.", "layers.0."),
+)
 
 
 class DynamicConv(nn.Module):
@@ -81,7 +85,11 @@ class DraftAttention(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
@@ -196,6 +204,10 @@ class DFlashDrafter(nn.Module):
 
     # ---- construction -------------------------------------------------------------------
 
+    def draft_layers(self) -> list[DraftLayer]:
+        """The decoder layers, typed."""
+        return [layer for layer in self.layers if isinstance(layer, DraftLayer)]
+
     def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's ``embed_tokens.weight [V, H]`` and ``lm_head.weight [V, H]``.
 
@@ -219,7 +231,7 @@ class DFlashDrafter(nn.Module):
                     param.fill_(1.0)
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
-            for layer in self.layers:
+            for layer in self.draft_layers():
                 for conv in (layer.attention_conv, layer.mlp_conv):
                     if conv is not None:
                         conv.reset_to_identity()
@@ -250,7 +262,7 @@ class DFlashDrafter(nn.Module):
         """
         c = self.context(features)[None]  # [1, N, H]
         cos, sin = self.rotary(positions[None], c.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.draft_layers()):
             k, v = layer.self_attn.key_value(c, cos, sin)  # [1, nkv, N, d]
             cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
 
@@ -275,7 +287,12 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft_hidden(
-        self, cache: KVCache, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor, block_size: int
+        self,
+        cache: KVCache,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        block_size: int,
     ) -> torch.Tensor:
         """One parallel forward over the blocks ``[anchor, MASK × (B−1)]`` of all rows.
 
@@ -334,7 +351,9 @@ class DFlashDrafter(nn.Module):
         """
         folder = Path(folder)
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} has no config.json: pass a drafter folder (config.json + model.safetensors)")
+            raise FileNotFoundError(
+                f"{folder} has no config.json: pass a drafter folder (config.json + model.safetensors)"
+            )
         config = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text()))
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -344,10 +363,7 @@ class DFlashDrafter(nn.Module):
             state.update(load_file(str(file)))
         model = cls(config)
         model.load_weights(state)
-        model = model.to(device=device, dtype=dtype)
-        # ``to(dtype)`` also casts the RoPE frequency buffer; keep it float32 like the target's.
-        model.rotary = RotaryEmbedding(config.as_hf_rope_config(), config.head_dim).to(device)
-        return model
+        return model.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy ``state`` in, after alias remapping and a strict name/shape check."""

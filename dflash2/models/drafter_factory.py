@@ -20,7 +20,12 @@ def pick_mask_token_id(tokenizer: Any | None, vocab_size: int) -> int:
         return int(vocab["<|MASK|>"])
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    reserved = {
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        tokenizer.unk_token_id,
+    }
     reserved |= set(tokenizer.convert_tokens_to_ids(tokenizer.all_special_tokens))
     candidates = [
         i for i, tok in tokenizer.added_tokens_decoder.items() if i not in reserved and i < vocab_size and tok.special

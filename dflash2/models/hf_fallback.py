@@ -51,25 +51,21 @@ class SlotCaches:
 class HFCausalLMTarget(nn.Module):
     """Any ``AutoModelForCausalLM`` behind the target interface (batch 1 per forward)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         super().__init__()
-        self.model = model
-        self.config = model.config
+        self.model: Any = model
+        self.config: Any = model.config
 
     @property
     def num_layers(self) -> int:
         """Number of decoder layers."""
         return int(self.config.num_hidden_layers)
 
-    @property
-    def embed_tokens(self) -> nn.Module:
-        """The input embedding module."""
-        return self.model.get_input_embeddings()
-
-    @property
-    def lm_head(self) -> nn.Module:
-        """The output head module."""
-        return self.model.get_output_embeddings()
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input embedding weight, output head weight)``, each ``[V, H]``."""
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        assert isinstance(embed.weight, torch.Tensor) and head is not None and isinstance(head.weight, torch.Tensor)
+        return embed.weight, head.weight
 
     def new_cache(self, num_slots: int, max_len: int) -> SlotCaches:
         """Per-slot dynamic caches (allocated on first use)."""

@@ -54,12 +54,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
         params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-        rope_type = params.get("rope_type", params.get("type", "default"))
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
         theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         scaling = 1.0
         with torch.device("cpu"):  # real values even when the model is built on the meta device
             inv_freq, scaling = self._inverse_frequencies(config, rope_type, theta, head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: Module.to(dtype) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
         self.scaling = float(scaling)
 
     @staticmethod
@@ -77,6 +78,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [...]`` int64 → ``(cos, sin)`` each ``[..., d]`` in ``dtype``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self.inv_freq  # [..., d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

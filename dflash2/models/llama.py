@@ -101,6 +101,8 @@ class TargetModel(nn.Module):
     (``embed_tokens``, ``layers.i.*``, ``norm``, ``lm_head``).
     """
 
+    config: Any
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -116,15 +118,23 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.head_dim)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
     @property
     def num_layers(self) -> int:
         """Number of decoder layers."""
         return len(self.layers)
 
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(embed_tokens.weight, lm_head.weight)``, each ``[V, H]``."""
+        return self.embed_tokens.weight, self.lm_head.weight
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A preallocated KV cache for ``num_slots`` sequences of ``max_len`` tokens."""
         weight = self.embed_tokens.weight
-        attn = self.layers[0].self_attn
+        attn = self.decoder_layers()[0].self_attn
         return KVCache(
             self.num_layers, num_slots, attn.num_kv_heads, max_len, self.head_dim, weight.dtype, weight.device
         )
@@ -148,7 +158,7 @@ class TargetModel(nn.Module):
         masks: dict[int | None, torch.Tensor] = {}
         wanted = set(capture_layer_ids)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             if layer.sliding_window not in masks:
                 masks[layer.sliding_window] = batch.causal_mask(layer.sliding_window)
             h = h + layer.self_attn(layer.input_layernorm(h), rope, batch, masks[layer.sliding_window], cache, i)

@@ -14,13 +14,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.hf_fallback import HFCausalLMTarget
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 
 logger = logging.getLogger(__name__)
-
-Target = TargetModel | HFCausalLMTarget
 
 
 class ModelLoadError(ValueError):
@@ -66,7 +65,9 @@ def load_target(folder: Path, dtype: torch.dtype, device: torch.device) -> Targe
         missing = sorted(set(expected) - set(state))
         wrong = sorted(k for k in expected.keys() & state.keys() if tuple(state[k].shape) != expected[k])
         if missing or wrong:
-            raise ModelLoadError(f"{folder}: weights do not match config.json (missing {missing[:5]}, wrong shape {wrong[:5]})")
+            raise ModelLoadError(
+                f"{folder}: weights do not match config.json (missing {missing[:5]}, wrong shape {wrong[:5]})"
+            )
         unexpected = sorted(set(state) - set(expected))
         if unexpected:
             logger.warning("ignoring %d unexpected target tensors, e.g. %s", len(unexpected), unexpected[:3])
@@ -91,7 +92,8 @@ def _load_fallback(folder: Path, config: Any, dtype: torch.dtype, device: torch.
         config.model_type,
     )
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    return HFCausalLMTarget(model.to(device).eval())
+    model = model.to(device)  # type: ignore[arg-type]
+    return HFCausalLMTarget(model.eval())
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -125,14 +127,14 @@ def load_drafter(folder: Path, target: Target, dtype: torch.dtype, device: torch
     except (FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"cannot load drafter from {folder}: {exc}") from exc
     check_drafter_matches(drafter, target)
-    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    drafter.bind_target(*target.embedding_weights())
     return drafter.eval()
 
 
 def check_drafter_matches(drafter: DFlashDrafter, target: Target) -> None:
     """Raise ``ModelLoadError`` unless the drafter was built for this target's shapes."""
     c = drafter.config
-    vocab, hidden = target.embed_tokens.weight.shape
+    vocab, hidden = target.embedding_weights()[0].shape
     if c.vocab_size != vocab:
         raise ModelLoadError(
             f"drafter vocab_size {c.vocab_size} != target vocab size {vocab}: use a drafter trained for this target "

@@ -187,9 +187,7 @@ def gguf_fingerprint(gguf_path: str | os.PathLike[str]) -> str:
                 handle.seek(size - _FINGERPRINT_CHUNK)
                 digest.update(handle.read(_FINGERPRINT_CHUNK))
     except OSError as exc:
-        raise ModelSourceError(
-            f"Cannot read GGUF file {path}: {exc}. Check the path and its permissions."
-        ) from exc
+        raise ModelSourceError(f"Cannot read GGUF file {path}: {exc}. Check the path and its permissions.") from exc
     return digest.hexdigest()[:12]
 
 
@@ -262,8 +260,7 @@ def convert_gguf(
         tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder should read like any other
     except OSError as exc:
         raise ModelSourceError(
-            f"Cannot write converted models under {target.parent}: {exc}. Set DFLASH2_CACHE to a writable "
-            "folder."
+            f"Cannot write converted models under {target.parent}: {exc}. Set DFLASH2_CACHE to a writable folder."
         ) from exc
 
     was_complete = is_complete(target)
@@ -455,9 +452,7 @@ def _check_local_folder(folder: pathlib.Path) -> pathlib.Path:
         if ggufs
         else " Pass the folder that holds config.json, the *.safetensors weights and the tokenizer files."
     )
-    raise ModelSourceError(
-        f"Model folder {folder} has no config.json, so it is not a Hugging Face model.{hint}"
-    )
+    raise ModelSourceError(f"Model folder {folder} has no config.json, so it is not a Hugging Face model.{hint}")
 
 
 def _is_hub_id(repo_id: str) -> bool:
@@ -514,9 +509,7 @@ def _download_from_hub(repo_id: str, revision: str | None) -> pathlib.Path:
     try:
         from huggingface_hub import snapshot_download
 
-        logger.info(
-            "Fetching %s from the Hugging Face Hub%s", spelled, " (offline: cache only)" if offline else ""
-        )
+        logger.info("Fetching %s from the Hugging Face Hub%s", spelled, " (offline: cache only)" if offline else "")
         result = snapshot_download(
             repo_id,
             revision=revision,
@@ -538,9 +531,7 @@ def _download_from_hub(repo_id: str, revision: str | None) -> pathlib.Path:
             "copying the Hugging Face cache over."
         ) from exc
     if not isinstance(result, str):  # only a dry run returns a list
-        raise ModelSourceError(
-            f"Unexpected snapshot_download result for {spelled!r}; pass a local folder instead."
-        )
+        raise ModelSourceError(f"Unexpected snapshot_download result for {spelled!r}; pass a local folder instead.")
     folder = pathlib.Path(result)
     if not (folder / "config.json").is_file():
         raise ModelSourceError(

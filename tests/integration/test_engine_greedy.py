@@ -26,7 +26,9 @@ def reference(target):
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_random_drafter_matches_autoregressive(target, reference, version, block_size, batch):
-    llm = LLM.from_engine(tiny_engine(target, tiny_drafter(target, version, block_size), block_size, max_num_seqs=batch))
+    llm = LLM.from_engine(
+        tiny_engine(target, tiny_drafter(target, version, block_size), block_size, max_num_seqs=batch)
+    )
     outputs = llm.generate(PROMPTS[:batch] if batch == 1 else PROMPTS, GREEDY)
     assert [c.token_ids for c in outputs] == reference[: len(outputs)]
 

@@ -24,12 +24,13 @@ def _exact_joint(target, params: SamplingParams, length: int) -> dict[tuple[int,
     for _ in range(length):
         prefixes = list(joint)
         cache = KVCache(target.num_layers, len(prefixes), 2, 32, 16, torch.float32, "cpu")
-        batch = ForwardBatch.build(list(range(len(prefixes))), [PROMPT + list(p) for p in prefixes],
-                                   [0] * len(prefixes), "cpu")
+        batch = ForwardBatch.build(
+            list(range(len(prefixes))), [PROMPT + list(p) for p in prefixes], [0] * len(prefixes), "cpu"
+        )
         logits, _ = target.run(batch, cache, last_only=True)
         ctx = LogitsContext([params] * len(prefixes), [PROMPT] * len(prefixes), [list(p) for p in prefixes], [])
         probs = target_probs(logits, ctx, torch.zeros(len(prefixes), 0, dtype=torch.long))[:, 0]
-        joint = {p + (t,): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(VOCAB)}
+        joint = {(*p, t): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(VOCAB)}
     return joint
 
 
@@ -60,8 +61,14 @@ def _chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ..
 SAMPLING_CASES = {
     "temperature": SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
     "top_p_top_k": SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=5),
-    "penalties": SamplingParams(max_tokens=4, temperature=1.2, presence_penalty=0.8, frequency_penalty=0.4,
-                                repetition_penalty=1.3, min_p=0.02),
+    "penalties": SamplingParams(
+        max_tokens=4,
+        temperature=1.2,
+        presence_penalty=0.8,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        min_p=0.02,
+    ),
 }
 
 

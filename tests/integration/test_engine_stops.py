@@ -23,7 +23,9 @@ def reference(target):
 
 def _oracle_llm(target, reference, eos=(), block_size=8, error_rate=0.0):
     refs = {i: PROMPTS[i] + reference[i] for i in range(len(PROMPTS))}
-    return LLM.from_engine(tiny_engine(target, oracle_drafter(target, refs, block_size, error_rate), block_size, eos=eos))
+    return LLM.from_engine(
+        tiny_engine(target, oracle_drafter(target, refs, block_size, error_rate), block_size, eos=eos)
+    )
 
 
 def _new_token_at(ref: list[int], min_index: int) -> tuple[int, int]:

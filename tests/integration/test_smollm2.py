@@ -26,7 +26,11 @@ def model():
 @pytest.fixture(scope="module")
 def prompts(model):
     _, tokenizer, _, _ = model
-    questions = ["What is the capital of France?", "Write a haiku about autumn leaves.", "List three prime numbers."]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn leaves.",
+        "List three prime numbers.",
+    ]
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in questions
@@ -34,9 +38,10 @@ def prompts(model):
 
 
 def _engine(model, drafter, block_size, max_num_seqs=3):
-    folder, tokenizer, target, eos = model
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=512, device="cpu",
-                          dtype="float32")
+    _folder, tokenizer, target, eos = model
+    config = EngineConfig(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=512, device="cpu", dtype="float32"
+    )
     return Engine(config, target, tokenizer, drafter, eos, "SmolLM2-135M-Instruct")
 
 
@@ -64,9 +69,12 @@ def test_untrained_drafter_greedy_equals_autoregressive(model, prompts, referenc
 def _oracle(model, prompts, reference, block_size=8, error_rate=0.1):
     _, tokenizer, target, _ = model
     refs = {i: tokenizer.encode(p) + r.token_ids for i, (p, r) in enumerate(zip(prompts, reference))}
-    drafter = OracleDrafter(drafter_config_for_target(target.config, num_layers=1, block_size=block_size,
-                                                      selector_rank=8), refs, error_rate)
-    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    drafter = OracleDrafter(
+        drafter_config_for_target(target.config, num_layers=1, block_size=block_size, selector_rank=8),
+        refs,
+        error_rate,
+    )
+    drafter.bind_target(*target.embedding_weights())
     return drafter
 
 
@@ -91,8 +99,10 @@ def test_stop_string_inside_an_accepted_block(model, prompts, reference):
     assert out.token_ids == reference[1].token_ids[: len(out.token_ids)]
     tokenizer = model[1]
     assert stop in tokenizer.decode(out.token_ids) and stop not in tokenizer.decode(out.token_ids[:-1])
-    kept = llm.generate([prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop],
-                                                     include_stop_str_in_output=True))[0]
+    kept = llm.generate(
+        [prompts[1]],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop], include_stop_str_in_output=True),
+    )[0]
     assert kept.text == text[: cut + len(stop)]
 
 
@@ -105,5 +115,5 @@ def test_streamed_text_concatenates_to_full_text(model, prompts, reference):
 
 
 def test_eos_from_generation_config(model):
-    folder, tokenizer, _, eos = model
+    _folder, tokenizer, _, eos = model
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos

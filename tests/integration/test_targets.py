@@ -16,17 +16,35 @@ from dflash2.models.hf_fallback import HFCausalLMTarget
 from dflash2.models.llama import TargetModel
 from tests.tiny import tiny_drafter_config
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
-    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 32}}),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
 }
 
 
@@ -93,7 +111,7 @@ def test_fallback_greedy_speculative_equals_autoregressive_and_transformers(tmp_
     drafter = DFlashDrafter(tiny_drafter_config(2, 8, 96))
     drafter.init_weights(std=0.05, seed=0)
     loader.check_drafter_matches(drafter, target)
-    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    drafter.bind_target(*target.embedding_weights())
     params = SamplingParams(max_tokens=24, temperature=0.0)
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
 
@@ -106,7 +124,7 @@ def test_fallback_greedy_speculative_equals_autoregressive_and_transformers(tmp_
     for prompt, tokens in zip(prompts, ar):
         with torch.no_grad():
             hf = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
-        assert hf[0, len(prompt):].tolist() == tokens
+        assert hf[0, len(prompt) :].tolist() == tokens
 
 
 def test_not_a_causal_lm_is_rejected(tmp_path):
@@ -116,7 +134,7 @@ def test_not_a_causal_lm_is_rejected(tmp_path):
 
 
 def test_missing_files_are_reported(tmp_path):
-    with pytest.raises(loader.ModelLoadError, match="config.json"):
+    with pytest.raises(loader.ModelLoadError, match=r"config\.json"):
         loader.load_target(tmp_path, torch.float32, torch.device("cpu"))
     with pytest.raises(loader.ModelLoadError, match="drafter"):
         loader.load_drafter(tmp_path, None, torch.float32, torch.device("cpu"))  # type: ignore[arg-type]

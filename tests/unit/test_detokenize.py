@@ -37,9 +37,7 @@ def encode(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def stream(
-    detok: IncrementalDetokenizer, ids: list[int], chunk: int
-) -> tuple[list[str], list[DetokenizeResult], str]:
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int) -> tuple[list[str], list[DetokenizeResult], str]:
     """Feeds ids in blocks of ``chunk``; returns (non-final chunks, results, flush text)."""
     texts: list[str] = []
     results: list[DetokenizeResult] = []

@@ -187,7 +187,10 @@ def test_saved_checkpoint_has_published_tensor_names_and_shapes(tmp_path):
     assert raw["architectures"] == ["DFlash2DraftModel"]
     assert raw["is_causal"] is False
     assert "block_size" not in raw and raw["dflash_config"]["block_size"] == 8
-    assert "rope_theta" not in raw and raw["rope_parameters"] == {"rope_theta": 500000.0, "rope_type": "default"}
+    assert "rope_theta" not in raw and raw["rope_parameters"] == {
+        "rope_theta": 500000.0,
+        "rope_type": "default",
+    }
     assert DrafterConfig.from_dict(raw) == config
 
     loaded = DFlashDrafter.load(tmp_path, torch.float32, "cpu")
@@ -314,6 +317,25 @@ def test_v1_layout_round_trips():
     assert drafter.selector_weights() is None
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 16},  # legacy rule (§2.4)
+        {"extra": {"causal": True}},  # dflash_config.causal
+        {"is_causal": True},
+        {"is_causal": False, "layer_types": ("sliding_attention", "sliding_attention"), "sliding_window": 16},
+        {},
+    ],
+)
+def test_saved_config_keeps_layer_causality(overrides):
+    """Writing and re-reading a DFlash 2 config must not change which layers are causal."""
+    config = dataclasses.replace(tiny_drafter_config(2), **overrides)
+    reread = DrafterConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    for layer in range(config.num_hidden_layers):
+        assert reread.layer_is_causal(layer) == config.layer_is_causal(layer), layer
+        assert reread.layer_window(layer) == config.layer_window(layer), layer
+
+
 def test_half_set_conv_or_selector_is_rejected():
     base = tiny_drafter_config(2)
     with pytest.raises(ValueError, match="conv_"):
@@ -331,6 +353,8 @@ def test_half_set_conv_or_selector_is_rejected():
         (36, 5, [1, 9, 17, 25, 33]),
         (64, 5, [1, 16, 31, 46, 61]),
         (52, 5, [1, 13, 25, 37, 49]),
+        (33, 4, [1, 11, 20, 30]),  # fractional step: rounded, not truncated
+        (30, 5, [1, 8, 14, 20, 27]),  # Python round (half to even) as in spec §1.1
         (36, 1, [18]),
         (27, 1, [13]),
     ],
@@ -470,8 +494,14 @@ def test_draft_layer_batched_rows_equal_single_rows():
     both = layer(h, cos, sin, ctx_k, ctx_v, mask)
     for r, s in enumerate([3, 8]):
         single_mask = drafter.block_mask(torch.tensor([s]), 5, s, 1)
-        alone = layer(h[r : r + 1], cos[r : r + 1], sin[r : r + 1], ctx_k[r : r + 1, :, :s], ctx_v[r : r + 1, :, :s],
-                      single_mask)
+        alone = layer(
+            h[r : r + 1],
+            cos[r : r + 1],
+            sin[r : r + 1],
+            ctx_k[r : r + 1, :, :s],
+            ctx_v[r : r + 1, :, :s],
+            single_mask,
+        )
         assert torch.allclose(both[r : r + 1], alone, atol=1e-5), r
 
 
@@ -487,13 +517,21 @@ def test_post_side_coefficients_come_from_pre_sublayer_input():
         ca = layer.attention_conv.coefficients(u)
         u2 = DynamicConv.convolve(u, ca[:, :, 0])
         a = layer.self_attn(u2, cos, sin, ctx_k, ctx_v, mask)
-        post = {"pre": ca, "convolved": layer.attention_conv.coefficients(u2), "output": layer.attention_conv.coefficients(a)}
+        post = {
+            "pre": ca,
+            "convolved": layer.attention_conv.coefficients(u2),
+            "output": layer.attention_conv.coefficients(a),
+        }
         x = h + DynamicConv.convolve(a, post[attn_post_from][:, :, 1])
         m = layer.post_attention_layernorm(x)
         cm = layer.mlp_conv.coefficients(m)
         m2 = DynamicConv.convolve(m, cm[:, :, 0])
         y = layer.mlp(m2)
-        post = {"pre": cm, "convolved": layer.mlp_conv.coefficients(m2), "output": layer.mlp_conv.coefficients(y)}
+        post = {
+            "pre": cm,
+            "convolved": layer.mlp_conv.coefficients(m2),
+            "output": layer.mlp_conv.coefficients(y),
+        }
         return x + DynamicConv.convolve(y, post[mlp_post_from][:, :, 1])
 
     out = layer(h, cos, sin, ctx_k, ctx_v, mask)
@@ -523,8 +561,18 @@ def _expected_mask(starts, block, context_len, causal, window):
     [
         ({}, 0, False, None),
         ({"is_causal": True}, 1, True, None),
-        ({"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3, "is_causal": False}, 0, False, 3),
-        ({"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3, "is_causal": False}, 1, False, None),
+        (
+            {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3, "is_causal": False},
+            0,
+            False,
+            3,
+        ),
+        (
+            {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3, "is_causal": False},
+            1,
+            False,
+            None,
+        ),
         # Legacy rule: with no is_causal, a sliding layer is causal and a full layer is not.
         ({"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}, 0, True, 3),
         ({"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}, 1, False, None),
@@ -540,7 +588,9 @@ def test_block_mask(overrides, layer, causal, window):
 
 def test_block_mask_literal_values():
     config = dataclasses.replace(
-        tiny_drafter_config(1, block_size=4), layer_types=("sliding_attention", "full_attention"), sliding_window=3,
+        tiny_drafter_config(1, block_size=4),
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=3,
         is_causal=False,
     )
     drafter = DFlashDrafter(config)
@@ -565,3 +615,10 @@ def test_check_drafter_matches_rejects_other_vocab():
         check_drafter_matches(other, target)
     with pytest.raises(ValueError, match="different target"):
         other.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+
+
+def test_rope_frequencies_stay_float32_under_bfloat16():
+    from tests.tiny import tiny_drafter_config as _cfg
+
+    drafter = DFlashDrafter(_cfg(2, 8, 96)).to(dtype=torch.bfloat16)
+    assert drafter.rotary.inv_freq.dtype == torch.float32

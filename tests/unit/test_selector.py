@@ -28,8 +28,14 @@ def test_lattice_entries_match_direct_formula():
                 prev = int(anchors[r]) if j == 0 else int(cand[r, j - 1, p])
                 for b in range(5):
                     token = int(cand[r, j, b])
-                    direct = unary[r, j, b] + (w.predecessor_codebook[prev] * (w.hidden_projection @ hidden[r, j])
-                                               * w.successor_codebook[token]).sum()
+                    direct = (
+                        unary[r, j, b]
+                        + (
+                            w.predecessor_codebook[prev]
+                            * (w.hidden_projection @ hidden[r, j])
+                            * w.successor_codebook[token]
+                        ).sum()
+                    )
                     assert torch.allclose(lattice[r, j, p, b], direct, atol=1e-5)
 
 
@@ -37,8 +43,9 @@ def test_greedy_walk_with_zero_successor_is_unary_argmax():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 6, 20, generator=g)
     cand, unary = topk_candidates(logits, 4)
-    lattice = lattice_scores(torch.randn(3, 6, 8, generator=g), torch.tensor([1, 2, 3]), cand, unary,
-                             _weights(zero_successor=True))
+    lattice = lattice_scores(
+        torch.randn(3, 6, 8, generator=g), torch.tensor([1, 2, 3]), cand, unary, _weights(zero_successor=True)
+    )
     proposal = walk(cand, unary, lattice, torch.zeros(3), torch.rand(3, 6))
     assert torch.equal(proposal.draft_ids, logits.argmax(-1))
     assert torch.equal(proposal.draft_probs.sum(-1), torch.ones(3, 6))

