@@ -6,10 +6,12 @@ Engine flags are shared by every subcommand and take their defaults from ``Engin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from dflash2.config import DTYPES, EngineConfig
 from dflash2.sampling import SamplingParams
@@ -135,6 +137,71 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data(args: argparse.Namespace) -> int:
+    from dflash2.engine import Engine
+    from dflash2.train.data import DataConfig, build_dataset
+
+    config = engine_config_from_args(args)
+    engine = Engine.from_config(EngineConfig(**{**config.to_dict(), "block_size": 1}))
+    data_config = DataConfig(
+        num_prompts=args.num_prompts,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_response_tokens=args.max_response_tokens,
+        response_temperature=args.response_temperature,
+        multi_turn_fraction=args.multi_turn_fraction,
+        heldout_fraction=args.heldout_fraction,
+        seed=args.data_seed,
+    )
+    manifest = build_dataset(engine, data_config, Path(args.out), args.prompts, synthesize=args.num_prompts > 0)
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dflash2.models import loader, source
+    from dflash2.models.drafter_factory import pick_mask_token_id
+    from dflash2.train.data import TokenDataset
+    from dflash2.train.features import load_or_extract
+    from dflash2.train.trainer import TrainConfig, Trainer, new_drafter
+
+    engine_config = engine_config_from_args(args)
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+    folder = source.resolve_model(engine_config.model)
+    tokenizer = loader.load_tokenizer(folder)
+    target = loader.load_target(folder, engine_config.torch_dtype, engine_config.torch_device)
+    dataset = TokenDataset.load(args.data / "dataset.safetensors")
+    config = TrainConfig(
+        num_layers=args.num_layers,
+        block_size=args.train_block_size,
+        use_conv=not args.no_conv,
+        use_selector=not args.no_selector,
+        selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k,
+        selector_alpha=args.selector_alpha,
+        lr=args.lr,
+        steps=args.steps,
+        time_budget=args.time_budget,
+        blocks_per_step=args.blocks_per_step,
+        anchors_per_sequence=args.anchors_per_sequence,
+        init_from_target=not args.no_init_from_target,
+        autocast_bf16=args.bf16,
+        seed=args.train_seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
+    layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
+    cache = args.features or args.data / f"features-{'-'.join(map(str, layer_ids))}.safetensors"
+    features = load_or_extract(cache, target, dataset, layer_ids)
+    trainer = Trainer(target, dataset, features, config, args.run_dir, mask_token_id)
+    metrics = trainer.run(export_dir=args.out)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "top1_per_position"}))
+    print(f"exported the drafter to {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dflash2`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
@@ -151,6 +218,45 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", dest="seed_request", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    data = sub.add_parser("data", help="synthesize a drafter training set from the target itself")
+    data.add_argument("--out", required=True, help="output folder (dataset.safetensors, manifest.json, …)")
+    data.add_argument("--num-prompts", type=int, default=1000, help="prompts to synthesize (0 = only --prompts)")
+    data.add_argument("--prompts", type=Path, default=None, help="JSONL of {prompt} or {messages} to add")
+    data.add_argument("--max-prompt-tokens", type=int, default=96)
+    data.add_argument("--max-response-tokens", type=int, default=256)
+    data.add_argument("--response-temperature", type=float, default=0.0)
+    data.add_argument("--multi-turn-fraction", type=float, default=0.15)
+    data.add_argument("--heldout-fraction", type=float, default=0.05)
+    data.add_argument("--data-seed", type=int, default=0)
+    add_engine_args(data)
+    data.set_defaults(func=_data, max_num_seqs=16)
+
+    train = sub.add_parser("train", help="train a DFlash / DFlash 2 drafter against the target")
+    train.add_argument("--data", type=Path, required=True, help="folder written by `dflash2 data`")
+    train.add_argument("--run-dir", type=Path, required=True, help="checkpoints and log.jsonl (resumed if present)")
+    train.add_argument("--out", type=Path, required=True, help="export folder (config.json + model.safetensors)")
+    train.add_argument("--features", type=Path, default=None, help="feature cache file (default: in --data)")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
+    train.add_argument("--train-block-size", type=int, default=8)
+    train.add_argument("--num-layers", type=int, default=3)
+    train.add_argument("--no-conv", action="store_true", help="no DFlash 2 dynamic convolution")
+    train.add_argument(
+        "--no-train-selector", dest="no_selector", action="store_true", help="no DFlash 2 candidate selector"
+    )
+    train.add_argument("--selector-rank", type=int, default=32)
+    train.add_argument("--selector-top-k", type=int, default=16)
+    train.add_argument("--selector-alpha", type=float, default=0.5)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--blocks-per-step", type=int, default=256)
+    train.add_argument("--anchors-per-sequence", type=int, default=32)
+    train.add_argument("--no-init-from-target", action="store_true")
+    train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    train.add_argument("--train-seed", type=int, default=0)
+    train.add_argument("--checkpoint-every", type=int, default=50)
+    add_engine_args(train)
+    train.set_defaults(func=_train)
     return parser
 
 

@@ -85,7 +85,7 @@ def lattice_scores(
     projected = hidden.float() @ weights.hidden_projection.float().t()  # [R, J, r]
     pred = weights.predecessor_codebook[prev_ids].float()  # [R, J, k_prev, r]
     succ = weights.successor_codebook[candidate_ids].float()  # [R, J, k, r]
-    transition = torch.einsum("rjpx,rjx,rjkx->rjpk", pred, projected, succ)
+    transition = (pred * projected[:, :, None, :]) @ succ.transpose(-1, -2)  # [R, J, k_prev, k]
     return unary_scores[:, :, None, :] + transition
 
 

@@ -321,10 +321,42 @@ class DFlashDrafter(nn.Module):
             h = layer(h, cos, sin, ctx_k, ctx_v, self.block_mask(starts, block_size, context_len, i))
         return self.norm(h)
 
+    def forward_blocks(self, features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: many blocks of one sequence against its full context (spec §7).
+
+        The same modules as inference, with the context K/V computed for every position and
+        each block's queries masked to context strictly before its anchor, bidirectional
+        inside the block, and never another block.
+
+        Args:
+            features: ``[S, F·H]`` target features of the sequence.
+            block_ids: ``[n, B]`` block inputs ``[x_a, MASK, …]``.
+            anchors: ``[n]`` int64 anchor positions a (the block sits at a .. a+B−1).
+
+        Returns:
+            ``[n, B, H]`` final-normed hidden states.
+        """
+        assert self._target is not None, "bind_target() first"
+        num_blocks, block_size = block_ids.shape
+        context = self.context(features)[None]  # [1, S, H]
+        context_len = context.shape[1]
+        cos_c, sin_c = self.rotary(torch.arange(context_len, device=features.device)[None], context.dtype)
+        h = nn.functional.embedding(block_ids, self._target[0]).to(context.dtype) * self.config.input_embedding_scale
+        positions = anchors[:, None] + torch.arange(block_size, device=anchors.device)[None]
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.draft_layers()):
+            ctx_k, ctx_v = layer.self_attn.key_value(context, cos_c, sin_c)  # [1, nkv, S, d]
+            expand = (num_blocks, -1, -1, -1)
+            mask = self.block_mask(anchors, block_size, context_len, i)
+            h = layer(h, cos, sin, ctx_k.expand(*expand), ctx_v.expand(*expand), mask)
+        return self.norm(h)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed unary logits ``softcap(lm_head(hidden) · output_multiplier)`` (spec §2.5), float32."""
         assert self._target is not None, "bind_target() first"
-        logits = (hidden @ self._target[1].t().to(hidden.dtype)).float() * self.config.output_multiplier
+        logits = nn.functional.linear(hidden, self._target[1].to(hidden.dtype)).float()  # [..., V]
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
         return softcap(logits, self.config.final_logit_softcapping)
 
     def selector_weights(self) -> SelectorWeights | None:

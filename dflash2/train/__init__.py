@@ -1,0 +1,1 @@
+"""Drafter training: data synthesis from the target, block training, evaluation, export."""

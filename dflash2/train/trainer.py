@@ -1,0 +1,297 @@
+"""DFlash / DFlash 2 block training against a frozen target (spec §7).
+
+Each step samples conversations, random anchors on their response tokens and blocks
+``[x_a, MASK × (B−1)]``; the drafter attends to the target's cached features strictly before
+each anchor and bidirectionally inside its block. The loss is the decay-weighted CE of the
+unary logits plus ``selector_alpha`` × the teacher-forced top-k selector CE. The target's
+embedding and LM head are shared and frozen. Checkpoints are resumable; the result is
+exported in the published checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dflash2.config import DrafterConfig
+from dflash2.models.base import Target
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter_factory import drafter_config_for_target
+from dflash2.train.blocks import LossTerms, block_losses, make_blocks, sample_anchors
+from dflash2.train.data import TokenDataset
+
+logger = logging.getLogger(__name__)
+
+LOSS_FIELDS = tuple(f.name for f in fields(LossTerms))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training run (saved with every checkpoint).
+
+    Attributes:
+        num_layers, block_size, use_conv, use_selector, selector_rank, selector_top_k: drafter shape.
+        selector_alpha: weight of the selector CE.
+        lr, weight_decay, warmup_ratio, grad_clip: AdamW with linear warm-up and cosine decay to 10 %.
+        steps: optimizer steps; time_budget: seconds after which training stops early (checkpointed).
+        blocks_per_step, anchors_per_sequence: how many blocks one step trains on.
+        gamma: slot-weight decay (None = spec default for the block size).
+        init_from_target: copy the last target layers into the drafter layers and make ``fc``
+            pass the deepest captured feature through.
+        autocast_bf16: run forward/backward under CPU/GPU bfloat16 autocast.
+        seed: sampling and initialisation seed.
+        checkpoint_every: steps between checkpoints.
+    """
+
+    num_layers: int = 3
+    block_size: int = 8
+    use_conv: bool = True
+    use_selector: bool = True
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    selector_alpha: float = 0.5
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    steps: int = 1000
+    time_budget: float | None = None
+    blocks_per_step: int = 256
+    anchors_per_sequence: int = 32
+    gamma: float | None = None
+    init_from_target: bool = True
+    autocast_bf16: bool = False
+    seed: int = 0
+    checkpoint_every: int = 50
+
+
+def new_drafter(target: Target, config: TrainConfig, mask_token_id: int) -> DFlashDrafter:
+    """A freshly initialised drafter for ``target`` (identity convs, zero successor codebook)."""
+    drafter_config = drafter_config_for_target(
+        target.config,
+        num_layers=config.num_layers,
+        block_size=config.block_size,
+        conv=config.use_conv,
+        selector=config.use_selector,
+        selector_rank=config.selector_rank,
+        selector_top_k=config.selector_top_k,
+        mask_token_id=mask_token_id,
+    )
+    drafter = DFlashDrafter(drafter_config)
+    drafter.init_weights(seed=config.seed)
+    if config.init_from_target:
+        init_from_target(drafter, target)
+    return drafter
+
+
+def init_from_target(drafter: DFlashDrafter, target: Target) -> None:
+    """Copy the target's last decoder layers into the drafter and make ``fc`` select the deepest feature.
+
+    Only tensors with identical names and shapes are copied (attention, MLP, norms); Qwen3-style
+    q/k norms absent from Llama targets stay at 1.
+    """
+    target_state = target.state_dict() if isinstance(target, torch.nn.Module) else {}
+    num_target = target.num_layers
+    num_draft = drafter.config.num_hidden_layers
+    copied = 0
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.draft_layers()):
+            source = num_target - num_draft + i
+            for name, param in layer.named_parameters():
+                key = f"layers.{source}.{name}"
+                if key in target_state and target_state[key].shape == param.shape:
+                    param.copy_(target_state[key])
+                    copied += 1
+        hidden = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -hidden:] = torch.eye(hidden)
+        if "norm.weight" in target_state:
+            drafter.norm.weight.copy_(target_state["norm.weight"])
+    logger.info("initialised %d drafter tensors from the target's last %d layers", copied, num_draft)
+
+
+class Trainer:
+    """Runs, checkpoints and resumes training of one drafter."""
+
+    def __init__(
+        self,
+        target: Target,
+        dataset: TokenDataset,
+        features: torch.Tensor,
+        config: TrainConfig,
+        run_dir: Path,
+        mask_token_id: int,
+    ) -> None:
+        self.target, self.dataset, self.features, self.config = target, dataset, features, config
+        self.run_dir = run_dir
+        self.train_ids = dataset.indices(heldout=False)
+        for p in target.parameters() if isinstance(target, torch.nn.Module) else []:
+            p.requires_grad_(False)
+        self.drafter = new_drafter(target, config, mask_token_id)
+        self.drafter.bind_target(*target.embedding_weights())
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+        )
+        self.step = 0
+        self.rng = random.Random(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._resume()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where the resumable checkpoint lives."""
+        return self.run_dir / "checkpoint.pt"
+
+    def _resume(self) -> None:
+        if not self.checkpoint_path.is_file():
+            return
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        if state["config"] != asdict(self.config):
+            changed = {k for k, v in asdict(self.config).items() if state["config"].get(k) != v}
+            if changed - {"steps", "time_budget", "checkpoint_every"}:
+                raise ValueError(f"{self.checkpoint_path} was trained with other settings ({sorted(changed)})")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.rng.setstate(state["python_rng"])
+        self.generator.set_state(state["torch_rng"])
+        logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
+
+    def save_checkpoint(self) -> None:
+        """Write the resumable checkpoint atomically."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "config": asdict(self.config),
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "python_rng": self.rng.getstate(),
+            "torch_rng": self.generator.get_state(),
+        }
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint_path)
+
+    def export(self, folder: Path, dtype: torch.dtype = torch.bfloat16) -> DrafterConfig:
+        """Save the drafter in the published layout (``config.json`` + ``model.safetensors``)."""
+        self.drafter.save(folder, dtype=dtype)
+        return self.drafter.config
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 10 % of the peak."""
+        c = self.config
+        warmup = max(1, int(c.warmup_ratio * c.steps))
+        if step < warmup:
+            return c.lr * (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, c.steps - warmup))
+        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def _sample_sequences(self) -> list[tuple[int, Any]]:
+        """Conversations and their blocks until ``blocks_per_step`` blocks are collected."""
+        c = self.drafter.config
+        picked, total = [], 0
+        while total < self.config.blocks_per_step:
+            i = self.rng.choice(self.train_ids)
+            ids, mask = self.dataset.sequence(i)
+            anchors = sample_anchors(mask, c.block_size, self.config.anchors_per_sequence, self.generator)
+            if len(anchors) == 0:
+                continue
+            anchors = anchors[: self.config.blocks_per_step - total]
+            picked.append((i, make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id, self.config.gamma)))
+            total += len(anchors)
+        return picked
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step; returns the step's metrics."""
+        self.drafter.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(self.step)
+        picked = self._sample_sequences()
+        base_weight = sum(float(b.weights[:, 1:].sum()) for _, b in picked)
+        sums: dict[str, Any] = {}
+        selector = self.drafter.selector_weights()
+        top_k = self.drafter.config.selector_top_k or 16
+        self.optimizer.zero_grad(set_to_none=True)
+        autocast = torch.autocast(
+            self.features.device.type if self.features.device.type != "mps" else "cpu",
+            dtype=torch.bfloat16,
+            enabled=self.config.autocast_bf16,
+        )
+        for i, blocks in picked:
+            a, b = int(self.dataset.offsets[i]), int(self.dataset.offsets[i + 1])
+            with autocast:
+                hidden = self.drafter.forward_blocks(self.features[a:b].float(), blocks.block_ids, blocks.anchors)
+                hidden = hidden[:, 1:]
+                logits = self.drafter.logits(hidden)
+            terms = block_losses(logits, hidden, blocks, selector, top_k)
+            loss = terms.base_loss / base_weight
+            if selector is not None and self.config.selector_alpha > 0:
+                # The selector CE is normalised by its own weight sum (estimated from this sequence's share).
+                share = float(terms.base_weight) / base_weight
+                loss = loss + self.config.selector_alpha * share * terms.selector_loss / terms.selector_weight.clamp(
+                    min=1e-6
+                )
+            loss.backward()
+            for name in LOSS_FIELDS:
+                value = getattr(terms, name).detach()
+                sums[name] = sums[name] + value if name in sums else value
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        count = sums["count"].clamp(min=1)
+        return {
+            "step": self.step,
+            "lr": self.learning_rate(self.step - 1),
+            "loss": float(sums["base_loss"] / sums["base_weight"].clamp(min=1e-6)),
+            "selector_loss": float(sums["selector_loss"] / sums["selector_weight"].clamp(min=1e-6)),
+            "top1": float(sums["top1"].sum() / count.sum()),
+            "topk": float(sums["topk"].sum() / count.sum()),
+            "selector_top1": float(sums["selector_top1"].sum() / sums["topk"].sum().clamp(min=1)),
+            "top1_per_position": (sums["top1"] / count).tolist(),
+        }
+
+    def run(self, export_dir: Path | None = None) -> dict[str, float]:
+        """Train until ``steps`` or the time budget; checkpoint, log to ``log.jsonl``, export."""
+        start = time.time()
+        last: dict[str, float] = {}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "train_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        log = (self.run_dir / "log.jsonl").open("a")
+        bar = tqdm(total=self.config.steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < self.config.steps:
+                metrics = self.train_step()
+                metrics["elapsed"] = time.time() - start
+                log.write(json.dumps(metrics) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.3f}", topk=f"{metrics['topk']:.3f}"
+                )
+                last = metrics
+                if self.step % self.config.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if self.config.time_budget is not None and time.time() - start > self.config.time_budget:
+                    logger.info("time budget reached at step %d", self.step)
+                    break
+        finally:
+            bar.close()
+            log.close()
+            self.save_checkpoint()
+        if export_dir is not None:
+            self.export(export_dir)
+        return last

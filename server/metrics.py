@@ -1,0 +1,214 @@
+"""Prometheus metrics: every name, type, unit, label and bucket in one table, fed from ``StepStats`` and
+per-request timings.
+
+Our names carry the ``dflash2_`` prefix and a ``model_name`` label. With ``--metrics-compat vllm`` the
+same observations are also exported under vLLM's names (``vllm:…``) with its ``model_name`` and
+``engine`` labels, so vLLM's Grafana dashboards and routers read them unchanged.
+
+Counting conventions (the traps other engines fell into, decided here):
+
+* speculative counters count *committed* tokens only: a stop inside an accepted block truncates
+  the accepted counts too, and ``…_per_pos`` counts position i only when drafts 0..i were all
+  accepted (the accepted prefix, never a plain sum of an accept mask);
+* acceptance length includes the bonus token (τ = accepted drafts + 1 per verify step);
+* inter-token latency is observed once per delivery: a speculative step that commits several
+  tokens of a request counts as one interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from dflash2.request import StepStats
+
+if TYPE_CHECKING:
+    from server.engine_client import RequestTimings
+
+PREFIX = "dflash2_"
+VLLM_PREFIX = "vllm:"
+VLLM_ENGINE_LABEL = "0"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Latency buckets follow vLLM's (wide, so one dashboard fits a CPU box and a GPU cluster).
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+# fmt: on
+TOKENS_PER_SECOND_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: our name (without prefix; counters without ``_total``), what it means, its labels.
+
+    Attributes:
+        labels: labels beyond ``model_name``.
+        vllm_name: the vLLM name exported with ``--metrics-compat vllm`` (without ``vllm:``), if any.
+    """
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    vllm_name: str | None = None
+
+
+def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
+    """The table of every metric this server exports (acceptance-length buckets are 1..B)."""
+    # fmt: off
+    return (
+        MetricSpec("spec_decode_num_drafts", "counter",
+                   "Verify steps that checked at least one drafted token.", vllm_name="spec_decode_num_drafts"),
+        MetricSpec("spec_decode_num_draft_tokens", "counter",
+                   "Drafted tokens sent to verification.", vllm_name="spec_decode_num_draft_tokens"),
+        MetricSpec("spec_decode_num_accepted_tokens", "counter",
+                   "Accepted drafted tokens that were committed (bonus tokens not counted; a stop inside a block "
+                   "truncates the count).", vllm_name="spec_decode_num_accepted_tokens"),
+        MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter",
+                   "Committed acceptances per draft position: position i counts only when drafts 0..i were all "
+                   "accepted.", labels=("position",), vllm_name="spec_decode_num_accepted_tokens_per_pos"),
+        MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled.", vllm_name="prompt_tokens"),
+        MetricSpec("generation_tokens", "counter", "Output tokens committed.", vllm_name="generation_tokens"),
+        MetricSpec("request_success", "counter",
+                   "Finished requests by finish reason (stop, length, abort = client went away, error = engine "
+                   "failure).", labels=("finished_reason",), vllm_name="request_success"),
+        MetricSpec("num_requests_running", "gauge", "Requests holding a KV slot after the last engine step.",
+                   vllm_name="num_requests_running"),
+        MetricSpec("num_requests_waiting", "gauge", "Requests queued for a KV slot after the last engine step.",
+                   vllm_name="num_requests_waiting"),
+        MetricSpec("kv_cache_usage_perc", "gauge",
+                   "Fraction (0-1) of target KV-cache positions holding committed tokens.",
+                   vllm_name="kv_cache_usage_perc"),
+        MetricSpec("acceptance_length", "histogram",
+                   "Tokens committed per verify step, bonus token included (1 = no draft accepted).",
+                   buckets=tuple(float(b) for b in range(1, block_size + 1))),
+        MetricSpec("time_to_first_token_seconds", "histogram",
+                   "Seconds from arrival to the first output token of a request.", buckets=TTFT_BUCKETS,
+                   vllm_name="time_to_first_token_seconds"),
+        MetricSpec("inter_token_latency_seconds", "histogram",
+                   "Seconds between successive output deliveries of a request; a speculative step that commits "
+                   "several tokens counts once (see generation_tokens_per_second for the per-token rate).",
+                   buckets=ITL_BUCKETS, vllm_name="inter_token_latency_seconds"),
+        MetricSpec("e2e_request_latency_seconds", "histogram", "Seconds from arrival to the end of a request.",
+                   buckets=E2E_BUCKETS, vllm_name="e2e_request_latency_seconds"),
+        MetricSpec("request_queue_time_seconds", "histogram",
+                   "Seconds a request waited before the engine step that prefilled it began.",
+                   buckets=TTFT_BUCKETS, vllm_name="request_queue_time_seconds"),
+        MetricSpec("generation_tokens_per_second", "histogram",
+                   "Per request: output tokens after the first, divided by the seconds from the first to the last "
+                   "token (requests with at least two tokens).", buckets=TOKENS_PER_SECOND_BUCKETS),
+    )
+    # fmt: on
+
+
+class _Family:
+    """One metric as exported under our name and, optionally, its vLLM name; children cached by labels."""
+
+    def __init__(self, spec: MetricSpec, registry: CollectorRegistry, model_name: str, compat: str | None) -> None:
+        self._targets: list[tuple[MetricWrapperBase, dict[str, str]]] = [
+            (_build(spec, PREFIX + spec.name, ("model_name", *spec.labels), registry), {"model_name": model_name})
+        ]
+        if compat == "vllm" and spec.vllm_name is not None:
+            labels = ("model_name", "engine", *spec.labels)
+            metric = _build(spec, VLLM_PREFIX + spec.vllm_name, labels, registry)
+            self._targets.append((metric, {"model_name": model_name, "engine": VLLM_ENGINE_LABEL}))
+        self._children: dict[tuple[tuple[str, str], ...], list[MetricWrapperBase]] = {}
+
+    def children(self, **labels: str) -> list[MetricWrapperBase]:
+        """The labelled children (one per exported name), created on first use."""
+        key = tuple(sorted(labels.items()))
+        if key not in self._children:
+            self._children[key] = [metric.labels(**base, **labels) for metric, base in self._targets]
+        return self._children[key]
+
+    def inc(self, amount: float, **labels: str) -> None:
+        """Add to a counter (nothing for 0)."""
+        if amount:
+            for child in self.children(**labels):
+                child.inc(amount)  # type: ignore[attr-defined]
+
+    def set(self, value: float, **labels: str) -> None:
+        """Set a gauge."""
+        for child in self.children(**labels):
+            child.set(value)  # type: ignore[attr-defined]
+
+    def observe(self, value: float, **labels: str) -> None:
+        """Observe a histogram value."""
+        for child in self.children(**labels):
+            child.observe(value)  # type: ignore[attr-defined]
+
+
+def _build(spec: MetricSpec, name: str, labels: tuple[str, ...], registry: CollectorRegistry) -> MetricWrapperBase:
+    if spec.kind == "counter":
+        return Counter(name, spec.help, labels, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(name, spec.help, labels, registry=registry)
+    return Histogram(name, spec.help, labels, registry=registry, buckets=spec.buckets)
+
+
+class Metrics:
+    """All server metrics for one model; implements the engine client's observer interface.
+
+    ``on_step`` runs on the engine thread, the per-request hooks on the event loop; the
+    prometheus client is thread-safe.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, block_size: int, compat: str | None = None
+    ) -> None:
+        specs = metric_specs(block_size)
+        self.families = {spec.name: _Family(spec, registry, model_name, compat) for spec in specs}
+        # Create the labelled children up front so every series is visible (at 0) from the start.
+        for spec in specs:
+            if not spec.labels:
+                self.families[spec.name].children()
+        for position in range(block_size - 1):
+            self.families["spec_decode_num_accepted_tokens_per_pos"].children(position=str(position))
+        for reason in FINISH_REASONS:
+            self.families["request_success"].children(finished_reason=reason)
+
+    def on_step(self, stats: StepStats) -> None:
+        """Counters, acceptance lengths and queue gauges from one engine step."""
+        f = self.families
+        f["spec_decode_num_drafts"].inc(stats.num_drafts)
+        f["spec_decode_num_draft_tokens"].inc(stats.num_draft_tokens)
+        f["spec_decode_num_accepted_tokens"].inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            f["spec_decode_num_accepted_tokens_per_pos"].inc(count, position=str(position))
+        for length in stats.acceptance_lengths:
+            f["acceptance_length"].observe(length)
+        f["prompt_tokens"].inc(stats.num_prefill_tokens)
+        f["generation_tokens"].inc(stats.num_generated_tokens)
+        f["num_requests_running"].set(stats.num_running)
+        f["num_requests_waiting"].set(stats.num_waiting)
+        f["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+
+    def on_first_token(self, timings: RequestTimings) -> None:
+        """Time to first token and queue time of one request."""
+        if timings.time_to_first_token is not None:
+            self.families["time_to_first_token_seconds"].observe(timings.time_to_first_token)
+        if timings.queue_time is not None:
+            self.families["request_queue_time_seconds"].observe(timings.queue_time)
+
+    def on_delivery(self, interval: float) -> None:
+        """One inter-token interval (a delivery after the first)."""
+        self.families["inter_token_latency_seconds"].observe(interval)
+
+    def on_request_finished(self, timings: RequestTimings) -> None:
+        """Outcome, end-to-end latency and per-request token rate."""
+        self.families["request_success"].inc(1, finished_reason=timings.finish_reason or "error")
+        if timings.e2e_latency is not None:
+            self.families["e2e_request_latency_seconds"].observe(timings.e2e_latency)
+        if timings.tokens_per_second is not None:
+            self.families["generation_tokens_per_second"].observe(timings.tokens_per_second)

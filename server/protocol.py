@@ -1,0 +1,512 @@
+"""OpenAI request and response schemas (pydantic), with the request → ``SamplingParams`` conversion.
+
+Requests are strict and closed: a field we do not implement, a wrong JSON type or an out-of-range
+value is a 400 that names the field, never something accepted and ignored. Cross-field checks and
+the conversion to engine parameters live on the request types (``to_sampling_params``), so
+``serving`` only ever sees validated requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from dflash2.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - MAX_CHOICES  # seed + choice index stays a valid torch seed
+# Keys a client may not pass through chat_template_kwargs: the server sets these itself.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors"}
+)
+
+
+class StrictModel(BaseModel):
+    """Base of request models: unknown fields and type coercions are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RequestParamError(ValueError):
+    """A cross-field problem found by ``to_sampling_params``; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` may not override what the server sets itself."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here")
+    return value
+
+
+class StreamOptions(StrictModel):
+    """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
+
+    include_usage: bool = False
+
+
+class TextContentPart(StrictModel):
+    """A ``{"type": "text", "text": …}`` content part (the only kind this server accepts)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One chat message; ``content`` is a string or a list of text parts."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
+        return value
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it (string content)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("values must be in [-100, 100]")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        """The client's output limit, if it gave one (endpoint-specific)."""
+        raise NotImplementedError
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token for the engine (None = no logprobs; endpoint-specific)."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Cross-field checks shared by both endpoints.
+
+        Raises:
+            RequestParamError: naming the field.
+        """
+        if self.stream_options is not None and not self.stream:
+            raise RequestParamError("stream_options is only allowed when stream is true", "stream_options")
+
+    def to_sampling_params(self, default_max_tokens: int, vocab_size: int) -> list[SamplingParams]:
+        """Engine parameters, one per choice (seeded choices get seed, seed+1, …).
+
+        Args:
+            default_max_tokens: the limit when the client gives none.
+            vocab_size: token ids in ``logit_bias`` / ``stop_token_ids`` must be below it.
+
+        Raises:
+            RequestParamError: a cross-field or token-id problem.
+            ValueError: an engine-side range check (the message names the field).
+        """
+        self.check()
+        max_tokens = self.requested_max_tokens() or default_max_tokens
+        if self.min_tokens > max_tokens:
+            raise RequestParamError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        stop_ids = tuple(self.stop_token_ids or ())
+        for name, ids in (("logit_bias", bias), ("stop_token_ids", stop_ids)):
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise RequestParamError(f"{name} token ids must be in [0, {vocab_size})", name)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            seed=self.seed,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=stop_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self.requested_logprobs(),
+        )
+        if self.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=self.seed + i) for i in range(self.n)]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (or its older name ``max_tokens``)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``top_logprobs`` alternatives when ``logprobs`` is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        """Chat-specific cross-field checks (see ``SamplingRequest.check``)."""
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestParamError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
+            raise RequestParamError("max_tokens and max_completion_tokens disagree; set one", "max_tokens")
+        for i, message in enumerate(self.messages):
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise RequestParamError("content is required", f"messages[{i}].content")
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is text or a list of token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens`` (OpenAI's default for completions is 16; null = the rest of the context)."""
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``logprobs`` alternatives per token."""
+        return self.logprobs
+
+    def check(self) -> None:
+        """Completion-specific cross-field checks (see ``SamplingRequest.check``)."""
+        super().check()
+        if not self.prompt:
+            raise RequestParamError("prompt must not be empty", "prompt")
+        if self.echo and self.logprobs is not None:
+            raise RequestParamError("echo with logprobs is not supported (no prompt logprobs)", "echo")
+
+
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) and ``messages`` (chat template applied)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+    def check(self) -> None:
+        """Raises RequestParamError unless exactly one of prompt / messages is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestParamError("give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """The inside of the OpenAI error envelope."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one response (all choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecDecodeInfo(BaseModel):
+    """Speculative-decoding statistics of one request (the ``dflash2`` extension object).
+
+    ``mean_acceptance_length`` = (accepted_tokens + verify_steps) / verify_steps: committed tokens
+    per verify step, bonus token included (0 before the first verify step).
+    """
+
+    draft_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    mean_acceptance_length: float
+
+
+class TopLogprob(BaseModel):
+    """One alternative token in chat logprobs."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobInfo(TopLogprob):
+    """One emitted token in chat logprobs, with its alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat response."""
+
+    content: list[TokenLogprobInfo]
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a text completion (the legacy OpenAI shape)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    """``choices[i].message``."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat response."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A complete chat response."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    dflash2: SpecDecodeInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message delta; unset parts are left out (``{}`` on the finish chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class _Chunk(BaseModel):
+    """Stream chunks leave out ``usage`` and ``dflash2`` except on the chunks that carry them."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_extras(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("usage", "dflash2"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatStreamChoice(BaseModel):
+    """One choice of a chat stream chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(_Chunk):
+    """One SSE chunk of a streamed chat response."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    dflash2: SpecDecodeInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion (also used in stream chunks)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A complete text completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    dflash2: SpecDecodeInfo
+
+
+class CompletionChunk(_Chunk):
+    """One SSE chunk of a streamed text completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    dflash2: SpecDecodeInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dflash2"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """``POST /tokenize``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    """``POST /detokenize``."""
+
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """``GET /version``."""
+
+    version: str
+
+
+class HealthResponse(BaseModel):
+    """``GET /health`` and ``GET /health/ready``."""
+
+    status: str

@@ -1,0 +1,109 @@
+"""Server settings: the frozen ``ServerSettings`` and the command-line flags that build it.
+
+This module uses the standard library only, so the ``dflash2`` command can add the ``serve`` flags
+without importing FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from dflash2.config import EngineConfig
+
+METRICS_COMPAT_CHOICES = ("vllm",)
+API_KEY_ENV = "DFLASH2_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything the HTTP layer needs at start-up.
+
+    Attributes:
+        host, port: where to listen.
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <key>``.
+        served_model_name: the name clients send as ``model``; None = the engine's model name.
+            The engine's own name is accepted too.
+        max_concurrency: generation requests in flight (streams included) before new ones get 429.
+        max_body_bytes: request bodies larger than this get 413.
+        metrics_compat: ``"vllm"`` also exports the vLLM metric names and labels; None = ours only.
+        drain_timeout: seconds that requests in flight get to finish after SIGTERM.
+        engine: the engine configuration.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_concurrency: int = 128
+    max_body_bytes: int = 4 * 2**20
+    metrics_compat: str | None = None
+    drain_timeout: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")
+        if self.metrics_compat not in (None, *METRICS_COMPAT_CHOICES):
+            raise ValueError(f"metrics_compat must be one of {', '.join(METRICS_COMPAT_CHOICES)}")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be non-negative")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+
+_DEFAULTS = ServerSettings()
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """HTTP flags of ``dflash2 serve`` / ``python -m server`` (defaults from ``ServerSettings``)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=_DEFAULTS.host, help="address to listen on (0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=_DEFAULTS.port)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: ${API_KEY_ENV})",
+    )
+    g.add_argument("--served-model-name", default=_DEFAULTS.served_model_name, help="model name shown to clients")
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=_DEFAULTS.max_concurrency,
+        help="generation requests in flight before new ones get 429",
+    )
+    g.add_argument(
+        "--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes, help="larger request bodies get 413"
+    )
+    g.add_argument(
+        "--metrics-compat",
+        choices=METRICS_COMPAT_CHOICES,
+        default=_DEFAULTS.metrics_compat,
+        help="also export metrics under these names and labels (vllm: vllm:* with model_name and engine)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_DEFAULTS.drain_timeout,
+        help="seconds requests in flight get to finish after SIGTERM",
+    )
+
+
+def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerSettings:
+    """Build ``ServerSettings`` from parsed flags and an engine configuration."""
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_concurrency=args.max_concurrency,
+        max_body_bytes=args.max_body_bytes,
+        metrics_compat=args.metrics_compat,
+        drain_timeout=args.drain_timeout,
+        engine=engine,
+    )
