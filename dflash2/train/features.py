@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -51,12 +52,13 @@ def load_or_extract(path: Path, target: Target, dataset: TokenDataset, layer_ids
     """Cached features at ``path`` if they match ``layer_ids`` and the dataset size, else extract and save."""
     key = ",".join(map(str, layer_ids))
     if path.is_file():
-        cached = load_file(str(path))
-        if cached.get("layer_ids") is not None and ",".join(map(str, cached["layer_ids"].tolist())) == key:
-            if cached["features"].shape[0] == int(dataset.offsets[-1]):
-                return cached["features"]
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            num_tokens = f.get_slice("features").get_shape()[0]
+        if metadata.get("layer_ids") == key and num_tokens == int(dataset.offsets[-1]):
+            return load_file(str(path))["features"]
         logger.warning("cached features at %s do not match; extracting again", path)
     features = extract_features(target, dataset, layer_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"features": features, "layer_ids": torch.tensor(layer_ids)}, str(path))
+    save_file({"features": features}, str(path), metadata={"layer_ids": key})
     return features

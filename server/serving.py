@@ -1,0 +1,490 @@
+"""From validated OpenAI requests to engine requests, and from engine outputs to OpenAI responses.
+
+One method per endpoint and one streaming generator per endpoint kind (chat, completions). SSE
+chunks go out in OpenAI's order: a role delta per choice (chat) → content deltas → a finish chunk
+per choice → a usage chunk when ``stream_options.include_usage`` → ``data: [DONE]``. An error after
+the stream started is sent as one ``data: {"error": …}`` event, still followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.responses import Response
+
+from dflash2.engine import ContextLengthExceededError
+from dflash2.request import RequestOutput, TokenLogprob
+from server.admission import Admission, Ticket
+from server.engine_client import EngineClient, RequestGroup
+from server.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    error_event,
+    error_kind,
+    param_from_message,
+)
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    RequestParamError,
+    SamplingRequest,
+    SpecDecodeInfo,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprobInfo,
+    TopLogprob,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from dflash2.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+_SSE_PING_SECONDS = 15
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer needs to know about the loaded model."""
+
+    name: str
+    accepted_names: frozenset[str]
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_engine(cls, engine: Engine, served_model_name: str | None) -> ModelInfo:
+        """Served under ``served_model_name`` (default: the engine's name); the engine's name is accepted too."""
+        name = served_model_name or engine.model_name
+        return cls(
+            name=name,
+            accepted_names=frozenset({name, engine.model_name}),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            tokenizer=engine.tokenizer,
+        )
+
+    def check(self, requested: str | None) -> None:
+        """Raises ModelNotFoundError unless ``requested`` is None or one of our names."""
+        if requested is not None and requested not in self.accepted_names:
+            raise ModelNotFoundError(f"the model '{requested}' does not exist; this server serves '{self.name}'", "model")
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    last: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold in one engine output."""
+        self.text += output.new_text
+        self.num_tokens += len(output.new_token_ids)
+        self.logprobs.extend(output.new_logprobs or ())
+        self.finish_reason, self.stop_reason, self.last = output.finish_reason, output.stop_reason, output
+
+
+@dataclass
+class Generation:
+    """One admitted HTTP generation request: its id, engine requests and concurrency ticket."""
+
+    id: str
+    created: int
+    num_prompt_tokens: int
+    group: RequestGroup
+    ticket: Ticket
+    states: list[ChoiceState]
+
+    def close(self) -> None:
+        """Abort what is unfinished and give the concurrency slot back (idempotent)."""
+        self.group.close()
+        self.ticket.release()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Engine outputs as they arrive, folded into ``states`` first."""
+        async for index, output in self.group:
+            self.states[index].add(output)
+            yield index, output
+
+    async def collect(self) -> list[ChoiceState]:
+        """Run to completion (closing the generation either way)."""
+        try:
+            async for _ in self.outputs():
+                pass
+        finally:
+            self.close()
+        return self.states
+
+
+def usage_info(num_prompt_tokens: int, states: Sequence[ChoiceState]) -> UsageInfo:
+    """Prompt counted once, completion tokens summed over the choices."""
+    completion = sum(s.num_tokens for s in states)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
+    )
+
+
+def spec_decode_info(states: Sequence[ChoiceState]) -> SpecDecodeInfo:
+    """Speculative statistics summed over the choices; τ includes the bonus token."""
+    drafted = sum(s.last.num_draft_tokens for s in states if s.last)
+    accepted = sum(s.last.num_accepted_tokens for s in states if s.last)
+    steps = sum(s.last.num_verify_steps for s in states if s.last)
+    return SpecDecodeInfo(
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
+        verify_steps=steps,
+        mean_acceptance_length=(accepted + steps) / steps if steps else 0.0,
+    )
+
+
+class TokenText:
+    """Token id → display string for logprobs (cached; partial UTF-8 shows as U+FFFD)."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+class OpenAIServing:
+    """The OpenAI endpoints over one engine client.
+
+    Prompts are tokenized on one worker thread (templates and long prompts never block the
+    event loop; one worker keeps the tokenizer single-threaded).
+    """
+
+    def __init__(self, client: EngineClient, model: ModelInfo, admission: Admission) -> None:
+        self.client = client
+        self.model = model
+        self.admission = admission
+        self._token_text = TokenText(model.tokenizer)
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="dflash2-tokenizer")
+
+    def close(self) -> None:
+        """Stop the tokenizer thread."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- endpoints ------------------------------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        """``POST /v1/chat/completions``."""
+        generation = await self._start(request, "chatcmpl", lambda: self._chat_prompt_ids(request.messages, request))
+        if request.stream:
+            return self._event_stream(self._chat_chunks(request, generation), generation)
+        states = await generation.collect()
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=s.text),
+                logprobs=self._chat_logprobs(s.logprobs) if request.logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(states)
+        ]
+        response = ChatCompletionResponse(
+            id=generation.id,
+            created=generation.created,
+            model=self.model.name,
+            choices=choices,
+            usage=usage_info(generation.num_prompt_tokens, states),
+            dflash2=spec_decode_info(states),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        """``POST /v1/completions``."""
+        generation = await self._start(request, "cmpl", lambda: self._completion_prompt_ids(request.prompt))
+        echo = await self._echo_text(request) if request.echo else ""
+        if request.stream:
+            return self._event_stream(self._completion_chunks(request, generation, echo), generation)
+        states = await generation.collect()
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=echo + s.text,
+                logprobs=self._completion_logprobs(s.logprobs, 0) if request.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(states)
+        ]
+        response = CompletionResponse(
+            id=generation.id,
+            created=generation.created,
+            model=self.model.name,
+            choices=choices,
+            usage=usage_info(generation.num_prompt_tokens, states),
+            dflash2=spec_decode_info(states),
+        )
+        return JSONResponse(response.model_dump())
+
+    def list_models(self) -> ModelList:
+        """``GET /v1/models``."""
+        card = ModelCard(id=self.model.name, created=self.model.created, max_model_len=self.model.max_model_len)
+        return ModelList(data=[card])
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """``POST /tokenize``: text, or messages through the chat template."""
+        self.model.check(request.model)
+        _convert_param_errors(request.check)
+        if request.messages is not None:
+            ids = await self._on_tokenizer_thread(lambda: self._chat_prompt_ids(request.messages or [], request))
+        else:
+            text = request.prompt or ""
+            ids = await self._on_tokenizer_thread(lambda: self._encode(text, request.add_special_tokens))
+        return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """``POST /detokenize``."""
+        self.model.check(request.model)
+        tokens = request.tokens
+        self._check_token_ids(tokens, "tokens")
+        tokenizer = self._require_tokenizer("tokens")
+        return DetokenizeResponse(prompt=await self._on_tokenizer_thread(lambda: tokenizer.decode(tokens)))
+
+    # ---- starting a generation -------------------------------------------------------------------
+
+    async def _start(self, request: SamplingRequest, prefix: str, prompt_ids: Callable[[], list[int]]) -> Generation:
+        """Check, admit, tokenize and submit; on any failure nothing stays admitted or queued."""
+        self.model.check(request.model)
+        _convert_param_errors(request.check)
+        ticket = self.admission.enter()
+        try:
+            ids = await self._on_tokenizer_thread(prompt_ids)
+            group = self._submit(request, ids, f"{prefix}-{uuid.uuid4().hex}")
+        except BaseException:
+            ticket.release()
+            raise
+        request_id = group.request_ids[0].rsplit("-", 1)[0]
+        states = [ChoiceState() for _ in range(request.n)]
+        return Generation(request_id, int(time.time()), len(ids), group, ticket, states)
+
+    def _submit(self, request: SamplingRequest, prompt_ids: list[int], request_id: str) -> RequestGroup:
+        default_max_tokens = max(1, self.model.max_model_len - len(prompt_ids))
+        params = _convert_param_errors(lambda: request.to_sampling_params(default_max_tokens, self.model.vocab_size))
+        try:
+            return self.client.submit(prompt_ids, params, request_id)
+        except ContextLengthExceededError as exc:
+            raise ContextLengthError(str(exc), "max_tokens") from exc
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param_from_message(str(exc))) from exc
+
+    async def _on_tokenizer_thread(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
+
+    def _chat_prompt_ids(self, messages: Sequence[ChatMessage], request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """Apply the model's chat template (generation prompt added) and tokenize."""
+        tokenizer = self._require_tokenizer("messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        add_generation_prompt = getattr(request, "add_generation_prompt", True)
+        try:
+            ids = tokenizer.apply_chat_template(
+                [m.to_template() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # the template is user-driven input: its failures are request errors
+            raise InvalidRequestError(f"the chat template could not render these messages: {exc}", "messages") from exc
+        return [int(t) for t in ids]
+
+    def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._encode(prompt, add_special_tokens=True)
+        self._check_token_ids(prompt, "prompt")
+        return list(prompt)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tokenizer = self._require_tokenizer("prompt")
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def _echo_text(self, request: CompletionRequest) -> str:
+        if isinstance(request.prompt, str):
+            return request.prompt
+        tokenizer = self._require_tokenizer("echo")
+        prompt = request.prompt
+        return await self._on_tokenizer_thread(lambda: tokenizer.decode(prompt))
+
+    def _require_tokenizer(self, param: str) -> Any:
+        if self.model.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send prompts as token ids", param)
+        return self.model.tokenizer
+
+    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        if any(not 0 <= t < self.model.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {self.model.vocab_size})", param)
+
+    # ---- streams -------------------------------------------------------------------------------
+
+    def _event_stream(self, chunks: AsyncIterator[str], generation: Generation) -> EventSourceResponse:
+        # The background task also closes a stream whose generator never started (client gone at once).
+        return EventSourceResponse(
+            chunks, sep="\n", ping=_SSE_PING_SECONDS, background=BackgroundTask(generation.close)
+        )
+
+    async def _chat_chunks(self, request: ChatCompletionRequest, generation: Generation) -> AsyncIterator[str]:
+        def chunk(choice: ChatStreamChoice | None, **extras: Any) -> str:
+            return ChatCompletionChunk(
+                id=generation.id,
+                created=generation.created,
+                model=self.model.name,
+                choices=[choice] if choice else [],
+                **extras,
+            ).model_dump_json()
+
+        async def body() -> AsyncIterator[str]:
+            for i in range(request.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            async for i, output in generation.outputs():
+                logprobs = self._chat_logprobs(output.new_logprobs or []) if request.logprobs else None
+                if output.new_text or (logprobs and logprobs.content):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=output.new_text), logprobs=logprobs))
+                if output.finished:
+                    finish = ChatStreamChoice(
+                        index=i, delta=DeltaMessage(), finish_reason=output.finish_reason, stop_reason=output.stop_reason
+                    )
+                    yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
+            if request.include_usage:
+                states = generation.states
+                yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
+
+        async for event in _framed(body(), generation):
+            yield event
+
+    async def _completion_chunks(
+        self, request: CompletionRequest, generation: Generation, echo: str
+    ) -> AsyncIterator[str]:
+        def chunk(choice: CompletionChoice | None, **extras: Any) -> str:
+            return CompletionChunk(
+                id=generation.id,
+                created=generation.created,
+                model=self.model.name,
+                choices=[choice] if choice else [],
+                **extras,
+            ).model_dump_json()
+
+        async def body() -> AsyncIterator[str]:
+            if echo:
+                for i in range(request.n):
+                    yield chunk(CompletionChoice(index=i, text=echo))
+            offsets = [0] * request.n
+            async for i, output in generation.outputs():
+                new_logprobs = output.new_logprobs or []
+                logprobs = self._completion_logprobs(new_logprobs, offsets[i]) if request.logprobs is not None else None
+                offsets[i] += sum(len(self._token_text(lp.token_id)) for lp in new_logprobs)
+                if output.new_text or new_logprobs and logprobs:
+                    yield chunk(CompletionChoice(index=i, text=output.new_text, logprobs=logprobs))
+                if output.finished:
+                    finish = CompletionChoice(
+                        index=i, text="", finish_reason=output.finish_reason, stop_reason=output.stop_reason
+                    )
+                    yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
+            if request.include_usage:
+                states = generation.states
+                yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
+
+        async for event in _framed(body(), generation):
+            yield event
+
+    # ---- logprobs ------------------------------------------------------------------------------
+
+    def _chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            text = self._token_text(token_id)
+            return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
+
+        content = []
+        for lp in logprobs:
+            chosen = entry(lp.token_id, lp.logprob)
+            top = [entry(t, v) for t, v in lp.top]
+            content.append(TokenLogprobInfo(**chosen.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, logprobs: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for lp in logprobs:
+            text = self._token_text(lp.token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(_finite(lp.logprob))
+            top = {self._token_text(t): _finite(v) for t, v in lp.top}
+            top.setdefault(text, _finite(lp.logprob))
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+
+async def _framed(body: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+    """Wrap a chunk stream: an error becomes one error event, ``[DONE]`` always ends it, and the
+    generation is closed however the stream ends (a client that went away aborts it)."""
+    try:
+        async for event in body:
+            yield event
+    except Exception as exc:
+        if error_kind(exc).status >= 500:
+            logger.error("stream %s failed", generation.id, exc_info=exc)
+        yield error_event(exc)
+    finally:
+        generation.close()
+    yield "[DONE]"
+
+
+def _convert_param_errors(work: Callable[[], T]) -> T:
+    """Run a request check / conversion, turning its errors into 400s that name the field."""
+    try:
+        return work()
+    except RequestParamError as exc:
+        raise InvalidRequestError(str(exc), exc.param) from exc
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param_from_message(str(exc))) from exc
