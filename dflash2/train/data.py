@@ -162,9 +162,11 @@ def synthesize_prompts(engine: Engine, config: DataConfig) -> list[Conversation]
 
 def answer(engine: Engine, conversations: list[Conversation], config: DataConfig, desc: str) -> None:
     """Append the target's answer to every conversation (in place)."""
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
     prompts = [
-        engine.tokenizer.encode(
-            engine.tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=False),
+        tokenizer.encode(
+            tokenizer.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False,
         )
         for c in conversations
