@@ -202,6 +202,65 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from dflash2.models import loader, source
+    from dflash2.train import evaluate
+    from dflash2.train.data import TokenDataset
+    from dflash2.train.features import extract_features
+
+    engine_config = engine_config_from_args(args)
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+    folder = source.resolve_model(engine_config.model)
+    tokenizer = loader.load_tokenizer(folder)
+    target = loader.load_target(folder, engine_config.torch_dtype, engine_config.torch_device)
+    drafter = loader.load_drafter(Path(args.drafter), target, engine_config.torch_dtype, engine_config.torch_device)
+    eos = loader.eos_token_ids(folder, tokenizer)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sets = evaluate.load_prompt_sets(args.data, args.num_prompts)
+    sets = {k: v for k, v in sets.items() if not args.sets or k in args.sets}
+    results = {}
+    for name, prompts in sets.items():
+        for temperature in args.temperatures:
+            for block_size in args.block_sizes:
+                r = evaluate.acceptance(
+                    target,
+                    tokenizer,
+                    drafter,
+                    eos,
+                    prompts,
+                    block_size,
+                    temperature,
+                    args.max_tokens,
+                    engine_config.max_num_seqs,
+                    engine_config.use_selector,
+                )
+                results[f"{name}/{temperature:g}/{block_size}"] = r.to_dict()
+                print(f"{name:10s} T={temperature:g} B={block_size:2d}: tau {r.tau:.2f}", file=sys.stderr)
+    recall = None
+    dataset = TokenDataset.load(args.data / "dataset.safetensors") if args.data is not None else None
+    if dataset is not None and dataset.indices(heldout=True):
+        heldout = dataset.subset(dataset.indices(heldout=True)[: args.num_recall_sequences])
+        features = extract_features(target, heldout, drafter.config.target_layer_ids)
+        recall = evaluate.recall_at_k(drafter, heldout, features, max_sequences=args.num_recall_sequences)
+    (args.out / "eval.json").write_text(json.dumps({"acceptance": results, "recall": recall}, indent=2) + "\n")
+    table = evaluate.markdown_table(results, recall)
+    (args.out / "eval.md").write_text(table)
+    evaluate.plot_acceptance({k: v for k, v in results.items() if "/0/" in k}, recall, args.out / "acceptance.png")
+    print(table)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # The HTTP layer is the `server` package (server → dflash2); only this subcommand imports it.
+    from server.app import serve
+    from server.settings import settings_from_args
+
+    return serve(settings_from_args(args, engine_config_from_args(args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dflash2`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
@@ -257,6 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=50)
     add_engine_args(train)
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="acceptance length, per-position acceptance and recall of a drafter")
+    ev.add_argument("--out", type=Path, required=True, help="folder for eval.json, eval.md and acceptance.png")
+    ev.add_argument("--data", type=Path, default=None, help="`dflash2 data` folder (held-out prompts, recall)")
+    ev.add_argument("--sets", nargs="*", default=None, help="heldout humaneval math multiturn (default: all)")
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ev.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    ev.add_argument("--num-prompts", type=int, default=16, help="prompts per set")
+    ev.add_argument("--num-recall-sequences", type=int, default=64)
+    ev.add_argument("--max-tokens", type=int, default=128)
+    add_engine_args(ev)
+    ev.set_defaults(func=_eval)
+
+    from server.settings import add_server_args  # standard library only: no FastAPI while parsing
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
+    add_server_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

