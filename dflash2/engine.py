@@ -49,11 +49,16 @@ class ContextLengthExceededError(ValueError):
 
 
 @dataclass
-class _Block:
-    """One step's drafted blocks for the decode rows (tensors on the engine device)."""
+class _Verified:
+    """What one verify forward decided, for the commit phase."""
 
-    proposal: Proposal
-    num_drafts: list[int]  # per row, drafts to verify (≤ J)
+    batch: ForwardBatch
+    logits: torch.Tensor  # [R, L, V] raw target logits
+    features: torch.Tensor | None  # [R, L, F·H]
+    draft_lists: list[list[int]]
+    num_drafts: list[int]
+    num_accepted: list[int]
+    next_ids: list[int]
 
 
 class Engine:
@@ -254,8 +259,13 @@ class Engine:
             outputs += self._prefill(admitted, stats)
         rows = [r for r in self.scheduler.running if not r.is_finished]
         if rows:
-            block = self._draft_and_select(rows, stats)
-            outputs += self._verify_and_commit(rows, block, stats)
+            if self.is_speculative:
+                hidden, draft_logits = self._draft(rows, stats)
+                proposal = self._select(rows, hidden, draft_logits, stats)
+            else:
+                proposal = self._no_proposal(len(rows))
+            verified = self._verify(rows, proposal, self._num_drafts(rows), stats)
+            outputs += self._commit(rows, verified, stats)
         for request in [r for r in self.scheduler.running if r.is_finished]:
             self._release(request)
         stats.total_time = time.perf_counter() - start
@@ -340,87 +350,98 @@ class Engine:
 
     # ---- draft + select -------------------------------------------------------------------------
 
-    def _draft_and_select(self, rows: list[Request], stats: StepStats) -> _Block:
-        """One drafter forward for all rows, then top-k candidates and the selector walk."""
-        num_slots = self.block_size - 1
-        num_drafts = [
-            max(0, min(num_slots, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows
-        ]
-        if not self.is_speculative:
-            empty = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
-            probs = torch.zeros(len(rows), 0, 1, device=self.device)
-            return _Block(Proposal(empty, empty[..., None], probs), num_drafts)
+    def _num_drafts(self, rows: list[Request]) -> list[int]:
+        """Drafts each row may verify: never past ``max_tokens`` or the end of its KV slot."""
+        limit = self.block_size - 1
+        return [max(0, min(limit, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
+
+    def _draft(self, rows: list[Request], stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE drafter forward for all rows: hidden ``[R, J, H]`` and unary logits ``[R, J, V]``."""
         assert self.drafter is not None and self.draft_cache is not None
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        hidden = self.drafter.draft_hidden(
-            self.draft_cache, [self._slot(r) for r in rows], anchors, starts, self.block_size
-        )
-        hidden = hidden[:, 1:]  # [R, J, H]; the anchor position is not drafted
-        logits = self.drafter.logits(hidden)  # [R, J, V]
-        t1 = time.perf_counter()
+        slots = [self._slot(r) for r in rows]
+        hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchors, starts, self.block_size)[:, 1:]
+        logits = self.drafter.logits(hidden)  # the anchor position is not drafted
+        stats.draft_time += time.perf_counter() - start
+        return hidden, logits
+
+    def _select(self, rows: list[Request], hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats) -> Proposal:
+        """Top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk."""
+        start = time.perf_counter()
+        assert self.drafter is not None
+        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         candidate_ids, unary = topk_candidates(logits, self.num_candidates)
         weights = self.drafter.selector_weights() if self.config.use_selector else None
         lattice = lattice_scores(hidden, anchors, candidate_ids, unary, weights) if weights is not None else None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
-        uniforms = torch.stack([self._uniforms(r, num_slots) for r in rows]).to(self.device)
+        uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
         proposal = walk(candidate_ids, unary, lattice, temperatures, uniforms)
-        stats.draft_time += t1 - t0
-        stats.select_time += time.perf_counter() - t1
-        return _Block(proposal, num_drafts)
+        stats.select_time += time.perf_counter() - start
+        return proposal
+
+    def _no_proposal(self, num_rows: int) -> Proposal:
+        """The empty proposal of an autoregressive step (block size 1)."""
+        empty = torch.zeros(num_rows, 0, dtype=torch.long, device=self.device)
+        return Proposal(empty, empty[..., None], torch.zeros(num_rows, 0, 1, device=self.device))
 
     # ---- verify + commit ------------------------------------------------------------------------
 
-    def _verify_and_commit(self, rows: list[Request], block: _Block, stats: StepStats) -> list[RequestOutput]:
-        """One target forward over every row's block, acceptance, rollback and stop checks."""
-        t0 = time.perf_counter()
-        width = max(block.num_drafts)  # rows near their limits verify shorter blocks
-        draft_ids = block.proposal.draft_ids[:, :width]
-        candidate_ids = block.proposal.candidate_ids[:, :width]
-        draft_probs = block.proposal.draft_probs[:, :width]
+    def _verify(self, rows: list[Request], proposal: Proposal, num_drafts: list[int], stats: StepStats) -> _Verified:
+        """ONE target forward over every row's ``[anchor, drafts…]``, then rejection sampling."""
+        start = time.perf_counter()
+        width = max(num_drafts)  # rows near their limits verify shorter blocks
+        draft_ids = proposal.draft_ids[:, :width]
         draft_lists = draft_ids.tolist()
-        tokens = [[r.output_ids[-1], *draft_lists[i][: block.num_drafts[i]]] for i, r in enumerate(rows)]
-        slots = [self._slot(r) for r in rows]
-        batch = ForwardBatch.build(slots, tokens, [r.num_cached for r in rows], self.device)
+        tokens = [[r.output_ids[-1], *draft_lists[i][: num_drafts[i]]] for i, r in enumerate(rows)]
+        batch = ForwardBatch.build([self._slot(r) for r in rows], tokens, [r.num_cached for r in rows], self.device)
         logits, features = self.target.run(batch, self.target_cache, self.capture_layer_ids)
         probs = target_probs(logits, self._logits_context(rows), draft_ids)
         num_slots = self.block_size - 1
         uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
-        num_accepted_t, next_ids_t = rejection_accept(
+        num_accepted, next_ids = rejection_accept(
             draft_ids,
-            candidate_ids,
-            draft_probs,
+            proposal.candidate_ids[:, :width],
+            proposal.draft_probs[:, :width],
             probs,
-            torch.tensor(block.num_drafts, device=self.device),
+            torch.tensor(num_drafts, device=self.device),
             uniforms[:, :width],
             uniforms[:, num_slots],
         )
-        num_accepted, next_ids = num_accepted_t.tolist(), next_ids_t.tolist()
-        stats.verify_time += time.perf_counter() - t0
+        stats.verify_time += time.perf_counter() - start
+        return _Verified(batch, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist())
+
+    def _commit(self, rows: list[Request], verified: _Verified, stats: StepStats) -> list[RequestOutput]:
+        """Roll back each row to its accepted prefix, apply stops, count, and extend the drafter context."""
         stats.num_decode_rows += len(rows)
         if self.is_speculative:
-            stats.accepted_per_position = [0] * num_slots
-            stats.drafted_per_position = [0] * num_slots
+            stats.accepted_per_position = [0] * (self.block_size - 1)
+            stats.drafted_per_position = [0] * (self.block_size - 1)
         outputs = []
         for i, request in enumerate(rows):
-            acc = num_accepted[i]
-            emitted = [*draft_lists[i][:acc], next_ids[i]]
-            # Roll back: keep the anchor and the accepted drafts; the new anchor is not cached yet.
+            acc = verified.num_accepted[i]
+            # Keep the anchor and the accepted drafts; the new anchor (bonus or correction) is not cached yet.
             request.num_cached += acc + 1
-            self.target_cache.rollback(slots[i], request.num_cached)
-            logprob_rows = logits[i, : acc + 1] if request.params.logprobs is not None else None
+            self.target_cache.rollback(self._slot(request), request.num_cached)
+            emitted = [*verified.draft_lists[i][:acc], verified.next_ids[i]]
+            logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             output = self._commit_tokens(request, emitted, logprob_rows, stats)
-            self._count_acceptance(request, acc, len(output.new_token_ids), block.num_drafts[i], stats)
+            self._count_acceptance(request, acc, len(output.new_token_ids), verified.num_drafts[i], stats)
+            # The output was built before this step was counted: its cumulative counts must include it.
+            output.num_draft_tokens = request.num_draft_tokens
+            output.num_accepted_tokens = request.num_accepted_tokens
+            output.num_verify_steps = request.num_verify_steps
             outputs.append(output)
         live = [i for i, r in enumerate(rows) if not r.is_finished]
-        if self.is_speculative and features is not None and live:
-            # Carry the anchor's and accepted drafts' features into the drafter context (spec §5.4).
+        if self.is_speculative and verified.features is not None and live:
+            # The anchor's and accepted drafts' features become drafter context (spec §5.4).
+            batch = verified.batch
             self._append_context(
-                [slots[i] for i in live],
+                [batch.slots[i] for i in live],
                 [batch.starts[i] for i in live],
-                features[torch.tensor(live, device=self.device)],
-                [num_accepted[i] + 1 for i in live],
+                verified.features[torch.tensor(live, device=self.device)],
+                [verified.num_accepted[i] + 1 for i in live],
             )
         return outputs
 
