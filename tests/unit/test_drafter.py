@@ -622,3 +622,21 @@ def test_rope_frequencies_stay_float32_under_bfloat16():
 
     drafter = DFlashDrafter(_cfg(2, 8, 96)).to(dtype=torch.bfloat16)
     assert drafter.rotary.inv_freq.dtype == torch.float32
+
+
+def test_output_multiplier_and_softcap_transform_the_logits():
+    from tests.tiny import tiny_drafter, tiny_target
+
+    target = tiny_target()
+    plain = tiny_drafter(target, 2, 8)
+    hidden = torch.randn(2, 3, 64)
+    raw = plain.logits(hidden)
+    scaled = tiny_drafter(target, 2, 8)
+    scaled.config = dataclasses.replace(plain.config, output_multiplier=0.25, final_logit_softcapping=2.0)
+    expected = 2.0 * torch.tanh(raw * 0.25 / 2.0)
+    assert torch.allclose(scaled.logits(hidden), expected, atol=1e-6)
+    assert scaled.logits(hidden).abs().max() < 2.0
+    # the published config keys round-trip
+    raw_config = scaled.config.to_dict()
+    assert raw_config["dflash_config"]["output_multiplier"] == 0.25
+    assert raw_config["dflash_config"]["final_logit_softcapping"] == 2.0
