@@ -12,8 +12,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dflash2.config import DTYPES, EngineConfig
+from dflash2.request import mean_acceptance_length
 from dflash2.sampling import SamplingParams
 
 _DEFAULTS = EngineConfig()
@@ -123,7 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
                 out.num_accepted_tokens,
             )
     elapsed = time.perf_counter() - start
-    tau = (num_accepted + num_steps) / num_steps if num_steps else 0.0
+    tau = mean_acceptance_length(num_accepted, num_steps)
     decode_time = elapsed - ((first_token_at or start) - start)
     decode_rate = (num_tokens - 1) / decode_time if num_tokens > 1 and decode_time > 0 else 0.0
     sys.stdout.write("\n")
@@ -157,21 +159,26 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load_target(config: EngineConfig) -> tuple[Path, Any, Any]:
+    """Resolve and load the target and its tokenizer (training and evaluation need no engine)."""
+    import torch
+
     from dflash2.models import loader, source
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    folder = source.resolve_model(config.model)
+    return folder, loader.load_tokenizer(folder), loader.load_target(folder, config.torch_dtype, config.torch_device)
+
+
+def _train(args: argparse.Namespace) -> int:
     from dflash2.models.drafter_factory import pick_mask_token_id
     from dflash2.train.data import TokenDataset
     from dflash2.train.features import load_or_extract
     from dflash2.train.trainer import TrainConfig, Trainer, new_drafter
 
     engine_config = engine_config_from_args(args)
-    if engine_config.num_threads:
-        import torch
-
-        torch.set_num_threads(engine_config.num_threads)
-    folder = source.resolve_model(engine_config.model)
-    tokenizer = loader.load_tokenizer(folder)
-    target = loader.load_target(folder, engine_config.torch_dtype, engine_config.torch_device)
+    _, tokenizer, target = _load_target(engine_config)
     dataset = TokenDataset.load(args.data / "dataset.safetensors")
     config = TrainConfig(
         num_layers=args.num_layers,
@@ -203,19 +210,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash2.models import loader, source
+    from dflash2.models import loader
     from dflash2.train import evaluate
     from dflash2.train.data import TokenDataset
     from dflash2.train.features import extract_features
 
     engine_config = engine_config_from_args(args)
-    if engine_config.num_threads:
-        import torch
-
-        torch.set_num_threads(engine_config.num_threads)
-    folder = source.resolve_model(engine_config.model)
-    tokenizer = loader.load_tokenizer(folder)
-    target = loader.load_target(folder, engine_config.torch_dtype, engine_config.torch_device)
+    folder, tokenizer, target = _load_target(engine_config)
     drafter = loader.load_drafter(Path(args.drafter), target, engine_config.torch_dtype, engine_config.torch_device)
     eos = loader.eos_token_ids(folder, tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from dflash2.request import (
     StepResult,
     StepStats,
     TokenLogprob,
+    mean_acceptance_length,
 )
 from dflash2.sampling import LogitsContext, SamplingParams, sample_from_probs, target_probs
 from dflash2.scheduler import Scheduler
@@ -695,6 +696,4 @@ class Completion:
     @property
     def mean_acceptance_length(self) -> float:
         """Committed tokens per verify step (bonus included)."""
-        if not self.num_verify_steps:
-            return 0.0
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_verify_steps)

@@ -12,6 +12,11 @@ import torch
 from dflash2.sampling import SamplingParams
 
 
+def mean_acceptance_length(num_accepted_tokens: int, num_verify_steps: int) -> float:
+    """τ = committed tokens per verify step, bonus included: ``1 + accepted / steps`` (0 with no steps)."""
+    return (num_accepted_tokens + num_verify_steps) / num_verify_steps if num_verify_steps else 0.0
+
+
 class FinishReason(str, enum.Enum):
     """Why a request ended (OpenAI values plus ``abort``)."""
 
@@ -89,9 +94,7 @@ class Request:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per verify step (accepted drafts + bonus), 0 before the first step."""
-        if not self.num_verify_steps:
-            return 0.0
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_verify_steps)
 
 
 @dataclass
@@ -126,9 +129,7 @@ class RequestOutput:
     @property
     def mean_acceptance_length(self) -> float:
         """Committed tokens per verify step so far (bonus included)."""
-        if not self.num_verify_steps:
-            return 0.0
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_verify_steps)
 
 
 @dataclass

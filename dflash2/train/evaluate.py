@@ -26,7 +26,7 @@ from dflash2.config import EngineConfig
 from dflash2.engine import LLM, Engine
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
-from dflash2.request import StepResult
+from dflash2.request import StepResult, mean_acceptance_length
 from dflash2.sampling import SamplingParams
 from dflash2.train.blocks import make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
@@ -78,7 +78,7 @@ class AcceptanceResult:
     @property
     def tau(self) -> float:
         """Mean acceptance length (accepted drafts + bonus per verify step)."""
-        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+        return mean_acceptance_length(self.num_accepted, self.num_steps)
 
     @property
     def acceptance_per_position(self) -> list[float]:
