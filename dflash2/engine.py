@@ -328,7 +328,7 @@ class Engine:
         for i, request in enumerate(requests):
             request.first_token_time = time.monotonic()
             logprob_rows = logits[i, :1] if request.params.logprobs is not None else None
-            outputs.append(self._commit_tokens(request, [first_ids[i]], logprob_rows, stats))
+            outputs.append(self._output(request, *self._commit_tokens(request, [first_ids[i]], logprob_rows, stats)))
         return outputs
 
     def _append_context(
@@ -427,13 +427,9 @@ class Engine:
             self.target_cache.rollback(self._slot(request), request.num_cached)
             emitted = [*verified.draft_lists[i][:acc], verified.next_ids[i]]
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
-            output = self._commit_tokens(request, emitted, logprob_rows, stats)
-            self._count_acceptance(request, acc, len(output.new_token_ids), verified.num_drafts[i], stats)
-            # The output was built before this step was counted: its cumulative counts must include it.
-            output.num_draft_tokens = request.num_draft_tokens
-            output.num_accepted_tokens = request.num_accepted_tokens
-            output.num_verify_steps = request.num_verify_steps
-            outputs.append(output)
+            committed, text, logprobs = self._commit_tokens(request, emitted, logprob_rows, stats)
+            self._count_acceptance(request, acc, len(committed), verified.num_drafts[i], stats)
+            outputs.append(self._output(request, committed, text, logprobs))  # cumulative counts include this step
         live = [i for i, r in enumerate(rows) if not r.is_finished]
         if self.is_speculative and verified.features is not None and live:
             # The anchor's and accepted drafts' features become drafter context (spec §5.4).
@@ -465,8 +461,8 @@ class Engine:
 
     def _commit_tokens(
         self, request: Request, token_ids: list[int], logits: torch.Tensor | None, stats: StepStats
-    ) -> RequestOutput:
-        """Append tokens one at a time until a stop; returns the step's delta for the request.
+    ) -> tuple[list[int], str, list[TokenLogprob] | None]:
+        """Append tokens one at a time until a stop; returns the committed tokens, text and logprobs.
 
         Stops, in order per token: stop token ids, EOS (unless ``ignore_eos``), stop strings,
         ``max_tokens``. Tokens after the stop are dropped with their text and logprobs.
@@ -498,7 +494,7 @@ class Engine:
         if logprobs is not None:
             request.logprobs.extend(logprobs)
         stats.num_generated_tokens += len(committed)
-        return self._output(request, committed, text, logprobs)
+        return committed, text, logprobs
 
     @staticmethod
     def _logprobs(token_ids: list[int], logits: torch.Tensor, num_top: int | None) -> list[TokenLogprob]:

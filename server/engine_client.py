@@ -13,6 +13,7 @@ them), are aborted in the engine, and the thread keeps serving everything else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -246,7 +247,8 @@ class EngineClient:
         try:
             engine = self._load_engine()
         except BaseException as exc:
-            logger.exception("loading the engine failed")
+            # ModelSourceError / ModelLoadError (ValueError) say what to do; anything else is a bug worth a trace.
+            logger.error("loading the engine failed: %s", exc, exc_info=not isinstance(exc, ValueError))
             self.load_error = exc
             self._call_soon(_settle, self._loaded, None, exc)
             return
@@ -280,10 +282,8 @@ class EngineClient:
 
     def _call_soon(self, callback: Callable[..., object], *args: object) -> None:
         assert self._loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop has closed: nobody is waiting any more
-            pass
 
     def _notify(self) -> None:
         with self._wakeup:
@@ -323,7 +323,8 @@ class EngineClient:
                 timings.scheduled, timings.first_token = step_started, now
                 if self.observer is not None:
                     self.observer.on_first_token(timings)
-            elif self.observer is not None and timings.last_token is not None:
+            elif self.observer is not None and timings.last_token is not None and now > timings.last_token:
+                # Outputs of one step arrive together (prefill + first verify): one delivery, no interval.
                 self.observer.on_delivery(now - timings.last_token)
             timings.last_token = now
             timings.num_output_tokens += len(output.new_token_ids)

@@ -146,7 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception through the table."""
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        if error_kind(exc).status >= 500:
+        if error_kind(exc).status == 500:
             logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return error_response(exc)
 
@@ -189,13 +189,19 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "invalid JSON")
         return f"malformed JSON body: {detail} (at character {loc[-1] if loc else '?'})", None
-    param = error_param(loc)
+    # A union reports one error per alternative, below the field: name the field, list every complaint.
+    root = loc[: next((i for i, part in enumerate(loc) if not _is_field(part)), len(loc))]
+    param = error_param(root)
     if param is None:
         if first.get("type") == "missing":
             return "the request body is required", None
         return f"the request body must be a JSON object ({first.get('msg', 'invalid')})", None
-    messages = [e.get("msg", "invalid value") for e in errors if error_param(tuple(e.get("loc", ()))) == param]
-    return f"{param}: {' or '.join(dict.fromkeys(_clean(m) for m in messages))}", param
+    complaints = [
+        f"{error_param(tuple(e['loc']))}: {_clean(e.get('msg', 'invalid value'))}"
+        for e in errors
+        if tuple(e.get("loc", ()))[: len(root)] == root
+    ]
+    return " or ".join(dict.fromkeys(complaints)), param
 
 
 def _clean(message: str) -> str:

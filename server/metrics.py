@@ -53,7 +53,7 @@ class MetricSpec:
 
     Attributes:
         labels: labels beyond ``model_name``.
-        vllm_name: the vLLM name exported with ``--metrics-compat vllm`` (without ``vllm:``), if any.
+        vllm_names: the vLLM names exported with ``--metrics-compat vllm`` (without ``vllm:``).
     """
 
     name: str
@@ -61,7 +61,7 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    vllm_name: str | None = None
+    vllm_names: tuple[str, ...] = ()
 
 
 def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
@@ -69,42 +69,42 @@ def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
     # fmt: off
     return (
         MetricSpec("spec_decode_num_drafts", "counter",
-                   "Verify steps that checked at least one drafted token.", vllm_name="spec_decode_num_drafts"),
+                   "Verify steps that checked at least one drafted token.", vllm_names=("spec_decode_num_drafts",)),
         MetricSpec("spec_decode_num_draft_tokens", "counter",
-                   "Drafted tokens sent to verification.", vllm_name="spec_decode_num_draft_tokens"),
+                   "Drafted tokens sent to verification.", vllm_names=("spec_decode_num_draft_tokens",)),
         MetricSpec("spec_decode_num_accepted_tokens", "counter",
                    "Accepted drafted tokens that were committed (bonus tokens not counted; a stop inside a block "
-                   "truncates the count).", vllm_name="spec_decode_num_accepted_tokens"),
+                   "truncates the count).", vllm_names=("spec_decode_num_accepted_tokens",)),
         MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter",
                    "Committed acceptances per draft position: position i counts only when drafts 0..i were all "
-                   "accepted.", labels=("position",), vllm_name="spec_decode_num_accepted_tokens_per_pos"),
-        MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled.", vllm_name="prompt_tokens"),
-        MetricSpec("generation_tokens", "counter", "Output tokens committed.", vllm_name="generation_tokens"),
+                   "accepted.", labels=("position",), vllm_names=("spec_decode_num_accepted_tokens_per_pos",)),
+        MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled.", vllm_names=("prompt_tokens",)),
+        MetricSpec("generation_tokens", "counter", "Output tokens committed.", vllm_names=("generation_tokens",)),
         MetricSpec("request_success", "counter",
                    "Finished requests by finish reason (stop, length, abort = client went away, error = engine "
-                   "failure).", labels=("finished_reason",), vllm_name="request_success"),
+                   "failure).", labels=("finished_reason",), vllm_names=("request_success",)),
         MetricSpec("num_requests_running", "gauge", "Requests holding a KV slot after the last engine step.",
-                   vllm_name="num_requests_running"),
+                   vllm_names=("num_requests_running",)),
         MetricSpec("num_requests_waiting", "gauge", "Requests queued for a KV slot after the last engine step.",
-                   vllm_name="num_requests_waiting"),
+                   vllm_names=("num_requests_waiting",)),
         MetricSpec("kv_cache_usage_perc", "gauge",
                    "Fraction (0-1) of target KV-cache positions holding committed tokens.",
-                   vllm_name="kv_cache_usage_perc"),
+                   vllm_names=("kv_cache_usage_perc", "gpu_cache_usage_perc")),
         MetricSpec("acceptance_length", "histogram",
                    "Tokens committed per verify step, bonus token included (1 = no draft accepted).",
                    buckets=tuple(float(b) for b in range(1, block_size + 1))),
         MetricSpec("time_to_first_token_seconds", "histogram",
                    "Seconds from arrival to the first output token of a request.", buckets=TTFT_BUCKETS,
-                   vllm_name="time_to_first_token_seconds"),
+                   vllm_names=("time_to_first_token_seconds",)),
         MetricSpec("inter_token_latency_seconds", "histogram",
                    "Seconds between successive output deliveries of a request; a speculative step that commits "
                    "several tokens counts once (see generation_tokens_per_second for the per-token rate).",
-                   buckets=ITL_BUCKETS, vllm_name="inter_token_latency_seconds"),
+                   buckets=ITL_BUCKETS, vllm_names=("inter_token_latency_seconds",)),
         MetricSpec("e2e_request_latency_seconds", "histogram", "Seconds from arrival to the end of a request.",
-                   buckets=E2E_BUCKETS, vllm_name="e2e_request_latency_seconds"),
+                   buckets=E2E_BUCKETS, vllm_names=("e2e_request_latency_seconds",)),
         MetricSpec("request_queue_time_seconds", "histogram",
                    "Seconds a request waited before the engine step that prefilled it began.",
-                   buckets=TTFT_BUCKETS, vllm_name="request_queue_time_seconds"),
+                   buckets=TTFT_BUCKETS, vllm_names=("request_queue_time_seconds",)),
         MetricSpec("generation_tokens_per_second", "histogram",
                    "Per request: output tokens after the first, divided by the seconds from the first to the last "
                    "token (requests with at least two tokens).", buckets=TOKENS_PER_SECOND_BUCKETS),
@@ -119,9 +119,8 @@ class _Family:
         self._targets: list[tuple[MetricWrapperBase, dict[str, str]]] = [
             (_build(spec, PREFIX + spec.name, ("model_name", *spec.labels), registry), {"model_name": model_name})
         ]
-        if compat == "vllm" and spec.vllm_name is not None:
-            labels = ("model_name", "engine", *spec.labels)
-            metric = _build(spec, VLLM_PREFIX + spec.vllm_name, labels, registry)
+        for vllm_name in spec.vllm_names if compat == "vllm" else ():
+            metric = _build(spec, VLLM_PREFIX + vllm_name, ("model_name", "engine", *spec.labels), registry)
             self._targets.append((metric, {"model_name": model_name, "engine": VLLM_ENGINE_LABEL}))
         self._children: dict[tuple[tuple[str, str], ...], list[MetricWrapperBase]] = {}
 

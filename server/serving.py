@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_REPLACEMENT_CHAR = "\ufffd"
 _SSE_PING_SECONDS = 15
 
 
@@ -100,7 +101,21 @@ class ModelInfo:
     def check(self, requested: str | None) -> None:
         """Raises ModelNotFoundError unless ``requested`` is None or one of our names."""
         if requested is not None and requested not in self.accepted_names:
-            raise ModelNotFoundError(f"the model '{requested}' does not exist; this server serves '{self.name}'", "model")
+            raise ModelNotFoundError(
+                f"the model '{requested}' does not exist; this server serves '{self.name}'", "model"
+            )
+
+
+def visible_text(output: RequestOutput) -> str:
+    """The text of one engine output as clients see it.
+
+    NOTE: when a request ends (max_tokens, EOS) in the middle of a multi-byte character, the
+    detokenizer's final flush releases the incomplete bytes as U+FFFD. A response never ends in a
+    broken character, so that tail is dropped here (its tokens still count in usage and logprobs).
+    """
+    if output.finished and not isinstance(output.stop_reason, str):
+        return output.new_text.rstrip(_REPLACEMENT_CHAR)
+    return output.new_text
 
 
 @dataclass
@@ -116,7 +131,7 @@ class ChoiceState:
 
     def add(self, output: RequestOutput) -> None:
         """Fold in one engine output."""
-        self.text += output.new_text
+        self.text += visible_text(output)
         self.num_tokens += len(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs or ())
         self.finish_reason, self.stop_reason, self.last = output.finish_reason, output.stop_reason, output
@@ -216,56 +231,24 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         """``POST /v1/chat/completions``."""
-        generation = await self._start(request, "chatcmpl", lambda: self._chat_prompt_ids(request.messages, request))
+        messages, kwargs = request.messages, request.chat_template_kwargs
+        generation = await self._start(request, "chatcmpl", lambda: self._chat_prompt_ids(messages, kwargs))
         if request.stream:
             return self._event_stream(self._chat_chunks(request, generation), generation)
-        states = await generation.collect()
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=s.text),
-                logprobs=self._chat_logprobs(s.logprobs) if request.logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(states)
-        ]
-        response = ChatCompletionResponse(
-            id=generation.id,
-            created=generation.created,
-            model=self.model.name,
-            choices=choices,
-            usage=usage_info(generation.num_prompt_tokens, states),
-            dflash2=spec_decode_info(states),
-        )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(self._chat_response(request, generation, await generation.collect()).model_dump())
 
     async def create_completion(self, request: CompletionRequest) -> Response:
         """``POST /v1/completions``."""
         generation = await self._start(request, "cmpl", lambda: self._completion_prompt_ids(request.prompt))
-        echo = await self._echo_text(request) if request.echo else ""
+        try:
+            echo = await self._echo_text(request) if request.echo else ""
+        except BaseException:
+            generation.close()
+            raise
         if request.stream:
             return self._event_stream(self._completion_chunks(request, generation, echo), generation)
         states = await generation.collect()
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=echo + s.text,
-                logprobs=self._completion_logprobs(s.logprobs, 0) if request.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(states)
-        ]
-        response = CompletionResponse(
-            id=generation.id,
-            created=generation.created,
-            model=self.model.name,
-            choices=choices,
-            usage=usage_info(generation.num_prompt_tokens, states),
-            dflash2=spec_decode_info(states),
-        )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(self._completion_response(request, generation, states, echo).model_dump())
 
     def list_models(self) -> ModelList:
         """``GET /v1/models``."""
@@ -277,7 +260,8 @@ class OpenAIServing:
         self.model.check(request.model)
         _convert_param_errors(request.check)
         if request.messages is not None:
-            ids = await self._on_tokenizer_thread(lambda: self._chat_prompt_ids(request.messages or [], request))
+            messages, kwargs, add_prompt = request.messages, request.chat_template_kwargs, request.add_generation_prompt
+            ids = await self._on_tokenizer_thread(lambda: self._chat_prompt_ids(messages, kwargs, add_prompt))
         else:
             text = request.prompt or ""
             ids = await self._on_tokenizer_thread(lambda: self._encode(text, request.add_special_tokens))
@@ -298,13 +282,14 @@ class OpenAIServing:
         self.model.check(request.model)
         _convert_param_errors(request.check)
         ticket = self.admission.enter()
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             ids = await self._on_tokenizer_thread(prompt_ids)
-            group = self._submit(request, ids, f"{prefix}-{uuid.uuid4().hex}")
+            group = self._submit(request, ids, request_id)
         except BaseException:
             ticket.release()
             raise
-        request_id = group.request_ids[0].rsplit("-", 1)[0]
+        logger.info("%s: %d prompt tokens, n=%d, user=%s", request_id, len(ids), request.n, request.user)
         states = [ChoiceState() for _ in range(request.n)]
         return Generation(request_id, int(time.time()), len(ids), group, ticket, states)
 
@@ -321,19 +306,23 @@ class OpenAIServing:
     async def _on_tokenizer_thread(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work)
 
-    def _chat_prompt_ids(self, messages: Sequence[ChatMessage], request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """Apply the model's chat template (generation prompt added) and tokenize."""
+    def _chat_prompt_ids(
+        self,
+        messages: Sequence[ChatMessage],
+        template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Apply the model's chat template and tokenize (runs on the tokenizer thread)."""
         tokenizer = self._require_tokenizer("messages")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
-        add_generation_prompt = getattr(request, "add_generation_prompt", True)
         try:
             ids = tokenizer.apply_chat_template(
                 [m.to_template() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
-                **(request.chat_template_kwargs or {}),
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # the template is user-driven input: its failures are request errors
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}", "messages") from exc
@@ -365,6 +354,52 @@ class OpenAIServing:
         if any(not 0 <= t < self.model.vocab_size for t in token_ids):
             raise InvalidRequestError(f"token ids must be in [0, {self.model.vocab_size})", param)
 
+    # ---- responses -----------------------------------------------------------------------------
+
+    def _chat_response(
+        self, request: ChatCompletionRequest, generation: Generation, states: list[ChoiceState]
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=s.text),
+                logprobs=self._chat_logprobs(s.logprobs) if request.logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(states)
+        ]
+        return ChatCompletionResponse(
+            id=generation.id,
+            created=generation.created,
+            model=self.model.name,
+            choices=choices,
+            usage=usage_info(generation.num_prompt_tokens, states),
+            dflash2=spec_decode_info(states),
+        )
+
+    def _completion_response(
+        self, request: CompletionRequest, generation: Generation, states: list[ChoiceState], echo: str
+    ) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=echo + s.text,
+                logprobs=self._completion_logprobs(s.logprobs, 0) if request.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(states)
+        ]
+        return CompletionResponse(
+            id=generation.id,
+            created=generation.created,
+            model=self.model.name,
+            choices=choices,
+            usage=usage_info(generation.num_prompt_tokens, states),
+            dflash2=spec_decode_info(states),
+        )
+
     # ---- streams -------------------------------------------------------------------------------
 
     def _event_stream(self, chunks: AsyncIterator[str], generation: Generation) -> EventSourceResponse:
@@ -388,16 +423,22 @@ class OpenAIServing:
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async for i, output in generation.outputs():
                 logprobs = self._chat_logprobs(output.new_logprobs or []) if request.logprobs else None
-                if output.new_text or (logprobs and logprobs.content):
-                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=output.new_text), logprobs=logprobs))
+                text = visible_text(output)
+                if text or (logprobs and logprobs.content):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))
                 if output.finished:
                     finish = ChatStreamChoice(
-                        index=i, delta=DeltaMessage(), finish_reason=output.finish_reason, stop_reason=output.stop_reason
+                        index=i,
+                        delta=DeltaMessage(),
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
                     )
                     yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
             if request.include_usage:
                 states = generation.states
-                yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
+                yield chunk(
+                    None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states)
+                )
 
         async for event in _framed(body(), generation):
             yield event
@@ -423,8 +464,9 @@ class OpenAIServing:
                 new_logprobs = output.new_logprobs or []
                 logprobs = self._completion_logprobs(new_logprobs, offsets[i]) if request.logprobs is not None else None
                 offsets[i] += sum(len(self._token_text(lp.token_id)) for lp in new_logprobs)
-                if output.new_text or new_logprobs and logprobs:
-                    yield chunk(CompletionChoice(index=i, text=output.new_text, logprobs=logprobs))
+                text = visible_text(output)
+                if text or (new_logprobs and logprobs):
+                    yield chunk(CompletionChoice(index=i, text=text, logprobs=logprobs))
                 if output.finished:
                     finish = CompletionChoice(
                         index=i, text="", finish_reason=output.finish_reason, stop_reason=output.stop_reason
@@ -432,7 +474,9 @@ class OpenAIServing:
                     yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
             if request.include_usage:
                 states = generation.states
-                yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
+                yield chunk(
+                    None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states)
+                )
 
         async for event in _framed(body(), generation):
             yield event
@@ -472,7 +516,7 @@ async def _framed(body: AsyncIterator[str], generation: Generation) -> AsyncIter
         async for event in body:
             yield event
     except Exception as exc:
-        if error_kind(exc).status >= 500:
+        if error_kind(exc).status == 500:
             logger.error("stream %s failed", generation.id, exc_info=exc)
         yield error_event(exc)
     finally:

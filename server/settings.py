@@ -77,9 +77,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.max_concurrency,
         help="generation requests in flight before new ones get 429",
     )
-    g.add_argument(
-        "--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes, help="larger request bodies get 413"
-    )
+    g.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes, help="larger request bodies get 413")
     g.add_argument(
         "--metrics-compat",
         choices=METRICS_COMPAT_CHOICES,

@@ -1,0 +1,176 @@
+"""HTTP routes: thin handlers that parse, call ``serving`` and return.
+
+Dependencies are ``async`` on purpose: FastAPI would run plain functions on its thread pool.
+
+Generation handlers run until the client disconnects (``until_disconnected``): a client that
+goes away cancels the handler, which aborts its engine requests. Streams are watched by
+sse-starlette, which cancels the stream generator the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import Awaitable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+import dflash2
+from server.errors import AuthenticationError, ServiceUnavailableError
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from server.serving import OpenAIServing
+from server.state import ServerState
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (only ever logged)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request (the error names the field), or context_length_exceeded"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "Too many requests in flight"),
+        (500, "The engine failed on this request"),
+        (503, "The model is loading or the server is draining"),
+    )
+}
+
+
+async def server_state(request: Request) -> ServerState:
+    """The shared state of the app serving this request."""
+    state: ServerState = request.app.state.server
+    return state
+
+
+State = Annotated[ServerState, Depends(server_state)]
+
+
+async def ready_serving(state: State) -> OpenAIServing:
+    """The serving layer; 503 while the model loads or the server drains."""
+    if state.admission.is_draining:
+        raise ServiceUnavailableError("the server is shutting down")
+    if state.serving is None:
+        raise ServiceUnavailableError("the model is still loading")
+    return state.serving
+
+
+async def check_api_key(request: Request, state: State) -> None:
+    """With ``--api-key``: ``Authorization: Bearer <key>`` or 401."""
+    expected = state.settings.api_key
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+
+async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; if the client disconnects first, cancel it (aborting its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()  # a finished handler wins, so a returned stream is always run (and closed)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+Serving = Annotated[OpenAIServing, Depends(ready_serving)]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+api = APIRouter(dependencies=[Depends(check_api_key)], responses=ERROR_RESPONSES)
+public = APIRouter()
+
+
+@api.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletionResponse, "description": "JSON, or SSE chunks with stream: true"}},
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
+    """OpenAI chat completions (``stream: true`` for server-sent events)."""
+    return await until_disconnected(request, serving.create_chat_completion(body))
+
+
+@api.post(
+    "/v1/completions",
+    response_model=None,
+    responses={200: {"model": CompletionResponse, "description": "JSON, or SSE chunks with stream: true"}},
+)
+async def create_completion(body: CompletionRequest, request: Request, serving: Serving) -> Response:
+    """OpenAI text completions; ``prompt`` is text or a list of token ids."""
+    return await until_disconnected(request, serving.create_completion(body))
+
+
+@api.get("/v1/models")
+async def list_models(serving: Serving) -> ModelList:
+    """The served model, with ``max_model_len``."""
+    return serving.list_models()
+
+
+@api.post("/tokenize")
+async def tokenize(body: TokenizeRequest, serving: Serving) -> TokenizeResponse:
+    """Token ids of a prompt, or of messages after the chat template."""
+    return await serving.tokenize(body)
+
+
+@api.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, serving: Serving) -> DetokenizeResponse:
+    """Text of a list of token ids."""
+    return await serving.detokenize(body)
+
+
+@public.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+async def health(state: State) -> JSONResponse:
+    """Liveness: the engine thread is running (also while the model loads)."""
+    is_alive = state.client.is_alive and state.client.load_error is None
+    return JSONResponse({"status": "ok" if is_alive else "dead"}, status_code=200 if is_alive else 503)
+
+
+@public.get("/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+async def ready(state: State) -> JSONResponse:
+    """Readiness: target and drafter loaded and not draining."""
+    status = state.readiness
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+@public.get("/metrics", response_class=Response)
+async def metrics(state: State) -> Response:
+    """Prometheus metrics (docs/server.md lists every one)."""
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@public.get("/version")
+async def version() -> VersionResponse:
+    """The dflash2 version."""
+    return VersionResponse(version=dflash2.__version__)

@@ -1,0 +1,51 @@
+"""``ServerState``: what the routes share (settings, engine client, admission, metrics registry) and,
+once the engine is loaded, the serving layer."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+
+from server.admission import Admission
+from server.engine_client import EngineClient
+from server.metrics import Metrics
+from server.serving import ModelInfo, OpenAIServing
+from server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from dflash2.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    """Shared by every route of one app; ``serving`` and ``metrics`` exist once the engine is loaded."""
+
+    def __init__(self, settings: ServerSettings, client: EngineClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.admission = Admission(settings.max_concurrency)
+        self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        self.serving: OpenAIServing | None = None
+        self.metrics: Metrics | None = None
+
+    @property
+    def readiness(self) -> str:
+        """``ready``, ``loading``, ``draining`` or ``failed``."""
+        if self.client.load_error is not None or (self.serving is not None and not self.client.is_alive):
+            return "failed"
+        if self.admission.is_draining:
+            return "draining"
+        return "loading" if self.serving is None else "ready"
+
+    def on_engine_loaded(self, engine: Engine) -> None:
+        """Build metrics and the serving layer for the loaded model; from here on the server is ready."""
+        model = ModelInfo.from_engine(engine, self.settings.served_model_name)
+        self.metrics = Metrics(self.registry, model.name, engine.block_size, self.settings.metrics_compat)
+        self.client.observer = self.metrics
+        self.serving = OpenAIServing(self.client, model, self.admission)
+        logger.info("serving %s (block size %d, max_model_len %d)", model.name, engine.block_size, model.max_model_len)
