@@ -113,27 +113,59 @@ def _dedup_key(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()[:80]
 
 
+class Journal:
+    """Append-only record of finished generations (``journal.jsonl``), so a run can resume.
+
+    Each line is ``{"key", "text", "finish_reason"}``; a rerun with the same settings skips
+    every key already recorded and produces the same dataset.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.done: dict[str, tuple[str, str | None]] = {}
+        if path is not None and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut off by an interrupted run
+                    continue
+                self.done[row["key"]] = (row["text"], row["finish_reason"])
+
+    def record(self, key: str, text: str, finish_reason: str | None) -> None:
+        """Remember one finished generation (flushed at once)."""
+        self.done[key] = (text, finish_reason)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "text": text, "finish_reason": finish_reason}) + "\n")
+
+
 def _run(
-    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], desc: str
+    engine: Engine,
+    jobs: list[tuple[str, list[int], SamplingParams]],
+    journal: Journal,
+    desc: str,
 ) -> list[tuple[str, str | None]]:
-    """Generate for every prompt with continuous batching; returns ``(text, finish_reason)`` in order."""
-    texts = [""] * len(prompts)
-    reasons: list[str | None] = [None] * len(prompts)
-    index = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
-    with tqdm(total=len(prompts), desc=desc, unit="req", dynamic_ncols=True) as bar:
-        remaining = len(prompts)
+    """Generate ``(key, prompt ids, params)`` jobs with continuous batching, skipping journaled keys.
+
+    Returns ``(text, finish_reason)`` per job, in order.
+    """
+    pending = [job for job in jobs if job[0] not in journal.done]
+    keys = {engine.add_request(prompt, params): key for key, prompt, params in pending}
+    texts: dict[str, str] = {}
+    with tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc=desc, unit="req", dynamic_ncols=True) as bar:
+        remaining = len(pending)
         while remaining:
             for out in engine.step().outputs:
-                i = index[out.request_id]
-                texts[i] += out.new_text
+                key = keys[out.request_id]
+                texts[key] = texts.get(key, "") + out.new_text
                 if out.finished:
-                    reasons[i] = out.finish_reason
+                    journal.record(key, texts[key], out.finish_reason)
                     remaining -= 1
                     bar.update(1)
-    return list(zip(texts, reasons))
+    return [journal.done[key] for key, _, _ in jobs]
 
 
-def synthesize_prompts(engine: Engine, config: DataConfig) -> list[Conversation]:
+def synthesize_prompts(engine: Engine, config: DataConfig, journal: Journal) -> list[Conversation]:
     """Magpie prompts: the target writes user messages under topic system prompts; deduplicated."""
     rng = random.Random(config.seed)
     topics = [rng.choice(config.topics) for _ in range(config.num_prompts)]
@@ -147,7 +179,8 @@ def synthesize_prompts(engine: Engine, config: DataConfig) -> list[Conversation]
         )
         for i in range(config.num_prompts)
     ]
-    texts = _run(engine, [prefixes[t] for t in topics], params, "writing prompts")
+    jobs = [(f"prompt-{i}", prefixes[t], p) for i, (t, p) in enumerate(zip(topics, params))]
+    texts = _run(engine, jobs, journal, "writing prompts")
     seen: set[str] = set()
     conversations = []
     for topic, (text, reason) in zip(topics, texts):
@@ -160,7 +193,7 @@ def synthesize_prompts(engine: Engine, config: DataConfig) -> list[Conversation]
     return conversations
 
 
-def answer(engine: Engine, conversations: list[Conversation], config: DataConfig, desc: str) -> None:
+def answer(engine: Engine, conversations: list[Conversation], config: DataConfig, journal: Journal, desc: str) -> None:
     """Append the target's answer to every conversation (in place)."""
     tokenizer = engine.tokenizer
     assert tokenizer is not None
@@ -175,11 +208,14 @@ def answer(engine: Engine, conversations: list[Conversation], config: DataConfig
         SamplingParams(max_tokens=config.max_response_tokens, temperature=config.response_temperature, seed=i)
         for i in range(len(conversations))
     ]
-    for conversation, (text, _) in zip(conversations, _run(engine, prompts, params, desc)):
+    jobs = [(f"answer-{c.extra['index']}-{len(c.messages)}", p, sp) for c, p, sp in zip(conversations, prompts, params)]
+    for conversation, (text, _) in zip(conversations, _run(engine, jobs, journal, desc)):
         conversation.messages.append({"role": "assistant", "content": text.strip()})
 
 
-def add_follow_ups(engine: Engine, conversations: list[Conversation], config: DataConfig) -> list[Conversation]:
+def add_follow_ups(
+    engine: Engine, conversations: list[Conversation], config: DataConfig, journal: Journal
+) -> list[Conversation]:
     """Synthesize a follow-up user message for a fraction of conversations; returns those extended."""
     rng = random.Random(config.seed + 1)
     chosen = [c for c in conversations if rng.random() < config.multi_turn_fraction]
@@ -192,7 +228,8 @@ def add_follow_ups(engine: Engine, conversations: list[Conversation], config: Da
         for i in range(len(chosen))
     ]
     extended = []
-    for conversation, (text, reason) in zip(chosen, _run(engine, prefixes, params, "writing follow-ups")):
+    jobs = [(f"follow-up-{c.extra['index']}", p, sp) for c, p, sp in zip(chosen, prefixes, params)]
+    for conversation, (text, reason) in zip(chosen, _run(engine, jobs, journal, "writing follow-ups")):
         cleaned = _clean(text) if reason == "stop" else None
         if cleaned is not None:
             conversation.messages.append({"role": "user", "content": cleaned})
@@ -307,23 +344,29 @@ def build_dataset(
 ) -> dict[str, Any]:
     """Make prompts, answers and the token dataset in ``out_dir``; returns the manifest.
 
-    Files: ``dataset.safetensors``, ``conversations.jsonl`` (text, with split), ``manifest.json``.
+    Files: ``dataset.safetensors``, ``conversations.jsonl`` (text, with split), ``manifest.json``,
+    and ``journal.jsonl`` (every generation as it finishes: rerunning the same command resumes).
     """
     if engine.tokenizer is None:
         raise ValueError("data synthesis needs a tokenizer with a chat template")
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    journal = Journal(out_dir / "journal.jsonl")
+    if journal.done:
+        logger.info("resuming: %d generations already in %s", len(journal.done), journal.path)
     conversations: list[Conversation] = []
     if synthesize:
-        conversations += synthesize_prompts(engine, config)
+        conversations += synthesize_prompts(engine, config, journal)
     if user_prompts is not None:
         conversations += read_prompts_jsonl(user_prompts)
+    for index, conversation in enumerate(conversations):
+        conversation.extra["index"] = index
     rng = random.Random(config.seed + 2)
     heldout = {id(c) for c in conversations if rng.random() < config.heldout_fraction}
     to_answer = [c for c in conversations if c.messages[-1]["role"] != "assistant"]
-    answer(engine, to_answer, config, "answering")
-    follow = add_follow_ups(engine, [c for c in to_answer if id(c) not in heldout], config)
-    answer(engine, follow, config, "answering follow-ups")
+    answer(engine, to_answer, config, journal, "answering")
+    follow = add_follow_ups(engine, [c for c in to_answer if id(c) not in heldout], config, journal)
+    answer(engine, follow, config, journal, "answering follow-ups")
 
     tokens, masks, offsets, flags = [], [], [0], []
     with (out_dir / "conversations.jsonl").open("w") as f:
