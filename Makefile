@@ -7,7 +7,7 @@ STAMP := $(VENV)/.dflash2-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format generate clean
+.PHONY: install test lint format generate serve clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ format: install
 PROMPT ?= Explain what a binary search does.
 generate: install
 	$(BIN)/dflash2 generate --prompt "$(PROMPT)"
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+serve: install
+	$(BIN)/dflash2 serve --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
