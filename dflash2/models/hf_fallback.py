@@ -9,6 +9,7 @@ Dimension letters: R rows, L positions per row, V vocab, F·H captured features.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,9 @@ class HFCausalLMTarget(nn.Module):
         super().__init__()
         self.model: Any = model
         self.config: Any = model.config
+        # transformers ≥ 5.x names the cache argument ``cache``; earlier releases ``past_key_values``.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
 
     @property
     def num_layers(self) -> int:
@@ -93,11 +97,11 @@ class HFCausalLMTarget(nn.Module):
             out = self.model(
                 input_ids=batch.input_ids[r : r + 1, :length],
                 position_ids=batch.positions[r : r + 1, :length],
-                past_key_values=past,
                 use_cache=True,
                 output_hidden_states=bool(capture_layer_ids),
+                **{self._cache_kwarg: past},
             )
-            cache.caches[slot] = out.past_key_values
+            cache.caches[slot] = past  # updated in place by the forward
             logits = out.logits[0].float()  # [len, V]
             logits_rows.append(logits[length - 1 :] if last_only else logits)
             if capture_layer_ids:
