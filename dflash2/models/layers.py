@@ -103,11 +103,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         ``[R, L, nh·d]``.
     """
     num_rows, num_heads, num_queries, head_dim = q.shape
-    groups = num_heads // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # enable_gqa shares each K/V head with its query group without materialising copies
+    # (repeat_interleave made decode at batch 32 ~15x slower on CPU).
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != num_heads)
     return out.transpose(1, 2).reshape(num_rows, num_queries, num_heads * head_dim)
 
 
