@@ -1,4 +1,4 @@
-"""Command line: ``dflash2 generate``.
+"""Command line: ``dflash2 generate``, ``data``, ``train``, ``eval``, ``serve`` and ``bench``.
 
 Engine flags are shared by every subcommand and take their defaults from ``EngineConfig``.
 """
@@ -8,17 +8,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash2.bench.config import METHOD_FAMILIES, PROMPT_SETS, BenchConfig
 from dflash2.config import DTYPES, EngineConfig
 from dflash2.request import mean_acceptance_length
 from dflash2.sampling import SamplingParams
 
 _DEFAULTS = EngineConfig()
+_BENCH_DEFAULTS = BenchConfig()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +200,7 @@ def _train(args: argparse.Namespace) -> int:
         autocast_bf16=args.bf16,
         seed=args.train_seed,
         checkpoint_every=args.checkpoint_every,
+        draft_vocab_size=args.draft_vocab_size,
     )
     mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
     layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
@@ -262,6 +266,63 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(settings_from_args(args, engine_config_from_args(args)))
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from dflash2.bench.run import run_bench
+
+    config = BenchConfig(
+        engine=engine_config_from_args(args),
+        out=args.out,
+        data=args.data,
+        sets=tuple(args.sets),
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        methods=tuple(dict.fromkeys(args.methods)),
+        block_sizes=tuple(args.block_sizes),
+        temperatures=tuple(args.temperatures),
+        prompt_lookup_tokens=args.prompt_lookup_tokens,
+        gguf=args.gguf,
+        single_stream=args.single_stream,
+        serving=args.serving,
+        url=args.url,
+        concurrency=tuple(args.concurrency),
+        serving_requests=args.serving_requests,
+        serving_seconds=args.serving_seconds,
+        serving_temperature=args.serving_temperature,
+        command=getattr(args, "command_line", ""),
+    )
+    run_bench(config, progress=lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
+    print(f"results: {config.out / 'results.md'}")
+    return 0
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``dflash2 bench`` (defaults from ``BenchConfig``; docs/benchmarks.md)."""
+    d = _BENCH_DEFAULTS
+    parser.add_argument("--out", type=Path, default=d.out, help="results folder (results.json, results.md, PNGs)")
+    parser.add_argument("--data", type=Path, default=d.data, help="`dflash2 data` folder (held-out prompt set)")
+    parser.add_argument("--sets", nargs="+", choices=PROMPT_SETS, default=list(d.sets), help="prompt sets")
+    parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts per set")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
+    parser.add_argument("--repeats", type=int, default=d.repeats, help="measured repetitions (after a warm-up)")
+    parser.add_argument("--methods", nargs="+", choices=METHOD_FAMILIES, default=list(d.methods))
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=list(d.block_sizes), help="B of dflash/dflash2")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=list(d.temperatures))
+    parser.add_argument(
+        "--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="prompt_lookup_num_tokens (hf-pld)"
+    )
+    parser.add_argument("--gguf", type=Path, default=d.gguf, help="GGUF for llama.cpp (default: derived, see docs)")
+    parser.add_argument(
+        "--single-stream", action=argparse.BooleanOptionalAction, default=d.single_stream, help="batch-1 speed"
+    )
+    parser.add_argument("--serving", action=argparse.BooleanOptionalAction, default=d.serving, help="serving load")
+    parser.add_argument("--url", default=d.url, help="load this running server (loopback) instead of starting ones")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency), help="streams per level")
+    parser.add_argument("--serving-requests", type=int, default=d.serving_requests, help="requests per level")
+    parser.add_argument("--serving-seconds", type=float, default=d.serving_seconds, help="time bound per level")
+    parser.add_argument("--serving-temperature", type=float, default=d.serving_temperature)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dflash2`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
@@ -308,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--selector-rank", type=int, default=32)
     train.add_argument("--selector-top-k", type=int, default=16)
     train.add_argument("--selector-alpha", type=float, default=0.5)
+    train.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=16384,
+        help="restrict the drafter's LM head to this many frequency-ranked tokens (0 = full vocabulary)",
+    )
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--blocks-per-step", type=int, default=256)
     train.add_argument("--anchors-per-sequence", type=int, default=32)
@@ -336,12 +403,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="speed vs peers at batch 1, serving load, report (docs/benchmarks.md)")
+    add_bench_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dflash2`` command."""
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["dflash2", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))

@@ -374,6 +374,7 @@ class Engine:
         assert self.drafter is not None
         anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         candidate_ids, unary = topk_candidates(logits, self.num_candidates)
+        candidate_ids = self.drafter.token_ids(candidate_ids)  # draft-vocabulary indices → token ids
         weights = self.drafter.selector_weights() if self.config.use_selector else None
         lattice = lattice_scores(hidden, anchors, candidate_ids, unary, weights) if weights is not None else None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)

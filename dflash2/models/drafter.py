@@ -25,6 +25,9 @@ from dflash2.selector import SelectorWeights
 
 logger = logging.getLogger(__name__)
 
+# Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
 # Names used by other publishers for the same tensors (spec §1.3).
 _KEY_ALIASES = (
     ("encoder.fc.", "fc."),
@@ -201,6 +204,10 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = CandidateSelector(config) if config.has_selector else None
         self.rotary = RotaryEmbedding(config.as_hf_rope_config(), config.head_dim)
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Draft vocabulary (FR-Spec): sorted token ids the LM head is restricted to; None = all.
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self._draft_head: torch.Tensor | None = None
 
     # ---- construction -------------------------------------------------------------------
 
@@ -220,6 +227,53 @@ class DFlashDrafter(nn.Module):
                 f"got {tuple(embed_weight.shape)}: the drafter was trained for a different target"
             )
         self._target = (embed_weight, lm_head_weight)
+        self._refresh_draft_head()
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Restrict the drafter's LM head to ``token_ids`` (a draft vocabulary), or lift it (None).
+
+        The unary logits then cover only these tokens, which cuts the LM-head cost of drafting
+        and training by ``V / len(token_ids)`` (FR-Spec, Zhao et al. 2025). Tokens outside it
+        are never drafted; verification is unchanged, so decoding stays lossless.
+
+        Args:
+            token_ids: ``[Vd]`` distinct int64 token ids (stored sorted), or None.
+
+        Raises:
+            ValueError: on ids outside ``[0, vocab_size)``, duplicates, or fewer ids than top-k.
+        """
+        if token_ids is None:
+            self.draft_vocab = None
+            self._draft_head = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size})")
+        if bool((ids[1:] == ids[:-1]).any()):
+            raise ValueError("draft vocabulary ids must be distinct")
+        if len(ids) < max(self.config.selector_top_k, 1):
+            raise ValueError("the draft vocabulary is smaller than the selector's top-k")
+        device = self.fc.weight.device
+        self.draft_vocab = ids.to(device)
+        self._refresh_draft_head()
+
+    def _refresh_draft_head(self) -> None:
+        if self._target is None or self.draft_vocab is None:
+            self._draft_head = None
+            return
+        lm_head = self._target[1]
+        self._draft_head = lm_head.detach()[self.draft_vocab.to(lm_head.device)].contiguous()
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Map indices into the unary logits' last dimension to token ids (identity without a draft vocabulary)."""
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
+
+    def vocab_indices(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Map token ids to indices into the unary logits; ``-1`` for ids outside the draft vocabulary."""
+        if self.draft_vocab is None:
+            return token_ids
+        index = torch.searchsorted(self.draft_vocab, token_ids.contiguous()).clamp(max=len(self.draft_vocab) - 1)
+        return torch.where(self.draft_vocab[index] == token_ids, index, -1)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Training initialisation: normal(std) linears, unit norms, identity convs (spec §3.4)
@@ -352,9 +406,14 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Transformed unary logits ``softcap(lm_head(hidden) · output_multiplier)`` (spec §2.5), float32."""
+        """Transformed unary logits ``softcap(lm_head(hidden) · output_multiplier)`` (spec §2.5), float32.
+
+        ``[..., H]`` → ``[..., V]``, or ``[..., Vd]`` over the draft vocabulary when one is set
+        (map indices with :meth:`token_ids`).
+        """
         assert self._target is not None, "bind_target() first"
-        logits = nn.functional.linear(hidden, self._target[1].to(hidden.dtype)).float()  # [..., V]
+        head = self._draft_head if self._draft_head is not None else self._target[1]
+        logits = nn.functional.linear(hidden, head.to(hidden.dtype)).float()  # [..., V or Vd]
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         return softcap(logits, self.config.final_logit_softcapping)
@@ -366,12 +425,19 @@ class DFlashDrafter(nn.Module):
     # ---- checkpoint -----------------------------------------------------------------------
 
     def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1)."""
+        """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1), plus
+        ``draft_vocab.json`` when a draft vocabulary is set (other loaders ignore it and draft
+        over the full vocabulary)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.config.save(folder)
         tensors = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        vocab_file = folder / DRAFT_VOCAB_FILE
+        if self.draft_vocab is not None:
+            vocab_file.write_text(json.dumps({"token_ids": self.draft_vocab.tolist()}) + "\n")
+        elif vocab_file.exists():
+            vocab_file.unlink()
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DFlashDrafter:
@@ -395,6 +461,8 @@ class DFlashDrafter(nn.Module):
             state.update(load_file(str(file)))
         model = cls(config)
         model.load_weights(state)
+        if (folder / DRAFT_VOCAB_FILE).is_file():
+            model.set_draft_vocab(torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_ids"]))
         return model.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

@@ -105,6 +105,7 @@ def block_losses(
     blocks: Blocks,
     selector: SelectorWeights | None,
     top_k: int,
+    draft_vocab: torch.Tensor | None = None,
 ) -> LossTerms:
     """Decay-weighted CE on the unary logits plus the DFlash 2 selector CE (spec §7).
 
@@ -114,16 +115,25 @@ def block_losses(
         blocks: the blocks (labels and weights of slots 1..B−1 are used).
         selector: selector tensors, or None (no selector term).
         top_k: candidates per slot.
+        draft_vocab: ``[Vd]`` sorted token ids when the logits cover a draft vocabulary
+            (``logits [n, J, Vd]``); labels outside it get no CE (they can never be drafted)
+            but still count as misses in the recall counters.
 
     The selector term is teacher-forced: the predecessor is the true previous token (the
     anchor for slot 1); slots whose true token is outside the top-k are excluded ("strict").
     """
     labels, weights = blocks.labels[:, 1:], blocks.weights[:, 1:]  # [n, J]
     logits = logits.float()
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     valid = weights > 0
+    targets, learnable = labels, torch.ones_like(valid)  # targets index the logits' last dim
+    if draft_vocab is not None:
+        index = torch.searchsorted(draft_vocab, labels.contiguous()).clamp(max=len(draft_vocab) - 1)
+        learnable = draft_vocab[index] == labels
+        targets = torch.where(learnable, index, 0)
+    ce_weights = weights * learnable
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(labels)
     candidates = logits.detach().topk(top_k, dim=-1).indices  # [n, J, k]
-    hit = candidates == labels[..., None]  # [n, J, k]
+    hit = (candidates == targets[..., None]) & learnable[..., None]  # [n, J, k]
     in_topk = hit.any(-1) & valid
     zero = logits.new_zeros(())
     selector_loss, selector_weight = zero, zero
@@ -133,7 +143,8 @@ def block_losses(
         unary = logits.gather(-1, candidates)  # [n, J, k]
         projected = hidden.float() @ selector.hidden_projection.float().t()  # [n, J, r]
         pred = selector.predecessor_codebook[predecessors].float()  # [n, J, r]
-        succ = selector.successor_codebook[candidates].float()  # [n, J, k, r]
+        candidate_ids = candidates if draft_vocab is None else draft_vocab[candidates]
+        succ = selector.successor_codebook[candidate_ids].float()  # [n, J, k, r]
         scores = unary + ((pred * projected)[:, :, None, :] * succ).sum(-1)  # [n, J, k]
         target_index = hit.float().argmax(-1)  # [n, J]
         sel_ce = F.cross_entropy(scores.flatten(0, 1), target_index.flatten(), reduction="none").view_as(labels)
@@ -141,11 +152,11 @@ def block_losses(
         selector_loss, selector_weight = (sel_w * sel_ce).sum(), sel_w.sum()
         selector_top1 = ((scores.argmax(-1) == target_index) & in_topk).sum(0).float()
     return LossTerms(
-        base_loss=(weights * ce).sum(),
-        base_weight=weights.sum(),
+        base_loss=(ce_weights * ce).sum(),
+        base_weight=ce_weights.sum(),
         selector_loss=selector_loss,
         selector_weight=selector_weight,
-        top1=((logits.detach().argmax(-1) == labels) & valid).sum(0).float(),
+        top1=((logits.detach().argmax(-1) == targets) & learnable & valid).sum(0).float(),
         topk=in_topk.sum(0).float(),
         selector_top1=selector_top1,
         count=valid.sum(0).float(),

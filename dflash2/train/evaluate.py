@@ -172,7 +172,7 @@ def recall_at_k(
         blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
         a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
         hidden = drafter.forward_blocks(features[a:b].float(), blocks.block_ids, blocks.anchors)[:, 1:]
-        ranked = drafter.logits(hidden).topk(max(ks), dim=-1).indices  # [n, J, kmax]
+        ranked = drafter.token_ids(drafter.logits(hidden).topk(max(ks), dim=-1).indices)  # [n, J, kmax]
         labels, valid = blocks.labels[:, 1:], blocks.weights[:, 1:] > 0
         count += valid.sum(0)
         for k in ks:

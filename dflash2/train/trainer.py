@@ -51,6 +51,8 @@ class TrainConfig:
         autocast_bf16: run forward/backward under CPU/GPU bfloat16 autocast.
         seed: sampling and initialisation seed.
         checkpoint_every: steps between checkpoints.
+        draft_vocab_size: restrict the drafter's LM head to this many frequency-ranked tokens
+            (``draft_vocabulary``); 0 = the full vocabulary.
     """
 
     num_layers: int = 3
@@ -73,6 +75,31 @@ class TrainConfig:
     autocast_bf16: bool = False
     seed: int = 0
     checkpoint_every: int = 50
+    draft_vocab_size: int = 0
+
+
+def draft_vocabulary(dataset: TokenDataset, indices: list[int], vocab_size: int, size: int) -> torch.Tensor:
+    """A frequency-ranked draft vocabulary of ``size`` token ids (FR-Spec, Zhao et al. 2025).
+
+    Tokens are ranked by their count among the response (loss-mask) tokens of the conversations
+    ``indices``; the rest of the budget goes to the lowest unseen ids, since a BPE vocabulary
+    is ordered by merge rank, a proxy for frequency in the tokenizer's own corpus.
+
+    Returns:
+        ``[min(size, vocab_size)]`` int64 token ids, sorted.
+    """
+    size = min(size, vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        ids, mask = dataset.sequence(i)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    seen = int((counts > 0).sum())
+    ranked = counts.argsort(descending=True, stable=True)[: min(seen, size)]
+    chosen = torch.zeros(vocab_size, dtype=torch.bool)
+    chosen[ranked] = True
+    fill = (~chosen).nonzero().flatten()[: size - len(ranked)]
+    chosen[fill] = True
+    return chosen.nonzero().flatten()
 
 
 def new_drafter(target: Target, config: TrainConfig, mask_token_id: int) -> DFlashDrafter:
@@ -139,6 +166,9 @@ class Trainer:
             p.requires_grad_(False)
         self.drafter = new_drafter(target, config, mask_token_id)
         self.drafter.bind_target(*target.embedding_weights())
+        if config.draft_vocab_size:
+            vocab_size = self.drafter.config.vocab_size
+            self.drafter.set_draft_vocab(draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size))
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
@@ -237,7 +267,7 @@ class Trainer:
                 hidden = self.drafter.forward_blocks(self.features[a:b].float(), blocks.block_ids, blocks.anchors)
                 hidden = hidden[:, 1:]
                 logits = self.drafter.logits(hidden)
-            terms = block_losses(logits, hidden, blocks, selector, top_k)
+            terms = block_losses(logits, hidden, blocks, selector, top_k, self.drafter.draft_vocab)
             loss = terms.base_loss / base_weight
             if selector is not None and self.config.selector_alpha > 0:
                 # The selector CE is normalised by its own weight sum (estimated from this sequence's share).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from dflash2 import LLM, SamplingParams
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
@@ -63,3 +64,12 @@ def test_step_stats_are_consistent(target):
         assert sum(s.accepted_per_position) == s.num_accepted_tokens <= s.num_draft_tokens
         assert s.num_generated_tokens == sum(len(o.new_token_ids) for o in result.outputs)
         assert s.num_running + s.num_waiting <= len(PROMPTS)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_draft_vocabulary_matches_autoregressive(target, reference, version):
+    # A drafter restricted to half the vocabulary still decodes exactly what the target alone does.
+    drafter = tiny_drafter(target, version, 8)
+    drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
+    llm = LLM.from_engine(tiny_engine(target, drafter, 8))
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
@@ -33,7 +34,8 @@ def _dataset(target) -> TokenDataset:
     )
 
 
-def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
+@pytest.mark.parametrize("draft_vocab_size", [0, 48])
+def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, draft_vocab_size):
     torch.manual_seed(0)
     target = tiny_target(vocab_size=96, seed=2)
     dataset = _dataset(target)
@@ -47,6 +49,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
         blocks_per_step=64,
         anchors_per_sequence=16,
         checkpoint_every=10,
+        draft_vocab_size=draft_vocab_size,
     )
     trainer = Trainer(target, dataset, torch.empty(0), config, tmp_path / "run", mask_token_id=95)
     trainer.features = extract_features(target, dataset, trainer.drafter.config.target_layer_ids)
@@ -60,6 +63,9 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
     drafter = DFlashDrafter.load(tmp_path / "drafter", torch.float32, "cpu")
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     drafter.bind_target(*target.embedding_weights())
+    assert (drafter.draft_vocab is None) == (draft_vocab_size == 0)
+    if draft_vocab_size:
+        assert len(drafter.draft_vocab) == draft_vocab_size
     prompts = [dataset.sequence(i)[0][:4].tolist() for i in dataset.indices(heldout=True)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ar = LLM.from_engine(tiny_engine(target, None)).generate(prompts, params)

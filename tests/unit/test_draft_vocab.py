@@ -1,0 +1,91 @@
+"""The frequency-ranked draft vocabulary: logits over the subset, index mapping, save/load, training loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter
+from dflash2.train.blocks import block_losses, make_blocks
+from dflash2.train.data import TokenDataset
+from dflash2.train.trainer import draft_vocabulary
+from tests.tiny import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_logits_cover_the_draft_vocabulary_only(target):
+    drafter = tiny_drafter(target)
+    hidden = torch.randn(2, 3, 64)
+    full = drafter.logits(hidden)
+    ids = torch.tensor([40, 3, 17, 90, 5, 66, 12, 8, 70])
+    drafter.set_draft_vocab(ids)
+    sub = drafter.logits(hidden)
+    assert sub.shape == (2, 3, len(ids))
+    assert torch.allclose(sub, full[..., ids.sort().values], atol=1e-6)
+    top = drafter.token_ids(sub.argmax(-1))
+    assert torch.equal(top, drafter.draft_vocab[full[..., drafter.draft_vocab].argmax(-1)])
+    assert drafter.vocab_indices(torch.tensor([3, 4, 90])).tolist() == [0, -1, len(ids) - 1]
+    drafter.set_draft_vocab(None)
+    assert torch.equal(drafter.logits(hidden), full)
+
+
+@pytest.mark.parametrize("ids", [[0, 0, 1, 2, 3, 4, 5, 6, 7], [-1, 1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3], [1, 96]])
+def test_invalid_draft_vocabularies_are_rejected(target, ids):
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        tiny_drafter(target).set_draft_vocab(torch.tensor(ids))
+
+
+def test_draft_vocabulary_survives_save_and_load(target, tmp_path):
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(torch.arange(10, 50))
+    drafter.save(tmp_path)
+    assert (tmp_path / DRAFT_VOCAB_FILE).is_file()
+    loaded = DFlashDrafter.load(tmp_path, torch.float32, "cpu")
+    loaded.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    assert torch.equal(loaded.draft_vocab, torch.arange(10, 50))
+    hidden = torch.randn(1, 4, 64)
+    assert torch.allclose(loaded.logits(hidden), drafter.logits(hidden), atol=1e-6)
+    drafter.set_draft_vocab(None)
+    drafter.save(tmp_path)  # saving without one removes a stale file
+    assert not (tmp_path / DRAFT_VOCAB_FILE).exists()
+
+
+def test_draft_vocabulary_ranks_response_tokens_then_fills_lowest_ids():
+    tokens = torch.tensor([50, 7, 7, 9, 9, 9, 60, 61], dtype=torch.int32)
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1], dtype=torch.uint8)  # 50 and 60 are prompt tokens
+    dataset = TokenDataset(tokens, mask, torch.tensor([0, 8]), torch.tensor([False]))
+    assert draft_vocabulary(dataset, [0], 96, 2).tolist() == [7, 9]  # the two most frequent
+    assert draft_vocabulary(dataset, [0], 96, 5).tolist() == [0, 1, 7, 9, 61]  # seen tokens, then lowest ids
+    assert len(draft_vocabulary(dataset, [0], 96, 500)) == 96
+
+
+def test_loss_over_a_full_draft_vocabulary_equals_the_plain_loss(target):
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 90, (40,))
+    mask = torch.ones(40, dtype=torch.bool)
+    blocks = make_blocks(ids, mask, torch.tensor([3, 10, 20]), 8, drafter.config.mask_token_id)
+    hidden = torch.randn(3, 7, 64)
+    logits = drafter.logits(hidden)
+    plain = block_losses(logits, hidden, blocks, drafter.selector_weights(), 4)
+    same = block_losses(logits, hidden, blocks, drafter.selector_weights(), 4, torch.arange(96))
+    for name in ("base_loss", "base_weight", "selector_loss", "top1", "topk"):
+        assert torch.allclose(getattr(plain, name), getattr(same, name)), name
+
+
+def test_labels_outside_the_draft_vocabulary_get_no_loss_but_count_as_misses(target):
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    blocks = make_blocks(ids, torch.ones(10, dtype=torch.bool), torch.tensor([0]), 8, drafter.config.mask_token_id)
+    vocab = torch.tensor([2, 4, 6, 8, 11, 12, 13, 14])  # labels 2..8: only even ones are draftable
+    drafter.set_draft_vocab(vocab)
+    hidden = torch.randn(1, 7, 64)
+    terms = block_losses(drafter.logits(hidden), hidden, blocks, drafter.selector_weights(), 4, vocab)
+    weights = blocks.weights[0, 1:]
+    learnable = torch.tensor([label in vocab.tolist() for label in blocks.labels[0, 1:].tolist()])
+    assert torch.isclose(terms.base_weight, weights[learnable].sum())
+    assert terms.count.sum() == 7  # every valid slot is counted ...
+    assert terms.topk[~learnable].sum() == 0  # ... and odd labels can never be hits
