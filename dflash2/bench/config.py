@@ -1,0 +1,183 @@
+"""What a benchmark run measures: the frozen ``BenchConfig`` and the methods it expands into.
+
+Method families (``--methods``):
+
+| family | what runs | rows |
+|---|---|---|
+| ``ar`` | this engine, block size 1 (autoregressive, the speedup baseline) | ``ar`` |
+| ``dflash`` | this engine with the drafter, selector off (per-slot argmax / unary sampling) | ``dflash-b8``, … |
+| ``dflash2`` | this engine with the drafter and the DFlash 2 selector | ``dflash2-b8``, … |
+| ``hf`` | transformers ``generate`` on the same folder and dtype | ``hf`` |
+| ``hf-pld`` | transformers assisted generation with prompt lookup | ``hf-pld`` |
+| ``llama.cpp`` | ``llama-cpp-python`` on a GGUF of the same model | ``llama.cpp`` |
+
+Temperatures are per request, so one method (one process) runs every temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash2.config import EngineConfig
+
+AR, DFLASH, DFLASH2, HF, HF_PLD, LLAMA_CPP = "ar", "dflash", "dflash2", "hf", "hf-pld", "llama.cpp"
+METHOD_FAMILIES = (AR, DFLASH, DFLASH2, HF, HF_PLD, LLAMA_CPP)
+PROMPT_SETS = ("heldout", "humaneval", "math", "multiturn")
+#: Families whose speed is a speedup baseline (a row is compared with each at the same temperature).
+BASELINES = (AR, HF, HF_PLD, LLAMA_CPP)
+
+ENGINE, TRANSFORMERS, LLAMA = "engine", "transformers", "llama.cpp"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One measured method: a row family at one block size (engine) or one peer.
+
+    Attributes:
+        id: row name (``ar``, ``dflash2-b8``, ``hf-pld``, …), also the worker's log name.
+        family: one of ``METHOD_FAMILIES``.
+        runner: ``engine``, ``transformers`` or ``llama.cpp``.
+        block_size: B for engine methods (1 = autoregressive); 0 for peers.
+        use_selector: the DFlash 2 selector walk (engine methods with a drafter).
+        prompt_lookup_tokens: ``prompt_lookup_num_tokens`` for ``hf-pld``, else 0.
+    """
+
+    id: str
+    family: str
+    runner: str
+    block_size: int = 0
+    use_selector: bool = True
+    prompt_lookup_tokens: int = 0
+
+    @property
+    def is_speculative_engine(self) -> bool:
+        """True for this engine with a drafter (block size > 1)."""
+        return self.runner == ENGINE and self.block_size > 1
+
+    @property
+    def label(self) -> str:
+        """Human-readable name for tables and plots."""
+        if self.family == AR:
+            return "dflash2 engine, autoregressive (B=1)"
+        if self.family == DFLASH:
+            return f"DFlash, selector off (B={self.block_size})"
+        if self.family == DFLASH2:
+            return f"DFlash 2, selector on (B={self.block_size})"
+        if self.family == HF:
+            return "transformers generate"
+        if self.family == HF_PLD:
+            return f"transformers prompt lookup ({self.prompt_lookup_tokens})"
+        return "llama.cpp (llama-cpp-python)"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one ``dflash2 bench`` run needs; built once from the command line.
+
+    Attributes:
+        engine: model, drafter, device, dtype, threads, seed (and ``max_num_seqs`` /
+            ``block_size`` / ``use_selector`` for the servers of the serving benchmark).
+        out: results folder.
+        data: a ``dflash2 data`` folder for the held-out set (None: that set is left out).
+        sets: prompt sets to use (subset of ``PROMPT_SETS``).
+        num_prompts: prompts per set.
+        max_tokens: output tokens per request.
+        repeats: measured repetitions (after one warm-up per method).
+        methods: method families (``METHOD_FAMILIES``).
+        block_sizes: B for the ``dflash`` / ``dflash2`` families.
+        temperatures: sampling temperatures (0 = greedy).
+        prompt_lookup_tokens: ``prompt_lookup_num_tokens`` of the ``hf-pld`` method.
+        gguf: GGUF file for llama.cpp (None: derive one from the model's GGUF source when it has one).
+        single_stream: run the single-stream benchmark.
+        serving: run the serving benchmark.
+        url: a running server on loopback to load (None: start ``dflash2 serve`` per server config).
+        concurrency: concurrent streams per serving level.
+        serving_requests: requests per level (a bound; the level also stops at ``serving_seconds``).
+        serving_seconds: wall-clock bound per level.
+        serving_temperature: temperature of the serving requests.
+        command: the exact command line, for the report.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    out: Path = Path("bench-results")
+    data: Path | None = None
+    sets: tuple[str, ...] = PROMPT_SETS
+    num_prompts: int = 4
+    max_tokens: int = 128
+    repeats: int = 3
+    methods: tuple[str, ...] = METHOD_FAMILIES
+    block_sizes: tuple[int, ...] = (8, 16)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    prompt_lookup_tokens: int = 10
+    gguf: Path | None = None
+    single_stream: bool = True
+    serving: bool = True
+    url: str | None = None
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    serving_requests: int = 16
+    serving_seconds: float = 120.0
+    serving_temperature: float = 0.0
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHOD_FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHOD_FAMILIES)}")
+        bad_sets = [s for s in self.sets if s not in PROMPT_SETS]
+        if bad_sets:
+            raise ValueError(f"unknown prompt sets {bad_sets}; choose from {', '.join(PROMPT_SETS)}")
+        checks = [
+            (self.num_prompts >= 1, "num_prompts must be at least 1"),
+            (self.max_tokens >= 2, "max_tokens must be at least 2"),
+            (self.repeats >= 1, "repeats must be at least 1"),
+            (all(2 <= b <= 64 for b in self.block_sizes), "block sizes must be in [2, 64]"),
+            (all(t >= 0 for t in self.temperatures) and bool(self.temperatures), "temperatures must be >= 0"),
+            (self.prompt_lookup_tokens >= 1, "prompt_lookup_tokens must be at least 1"),
+            (all(c >= 1 for c in self.concurrency) and bool(self.concurrency), "concurrency levels must be >= 1"),
+            (self.serving_requests >= 1, "serving_requests must be at least 1"),
+            (self.serving_seconds > 0, "serving_seconds must be positive"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def method_specs(self) -> list[MethodSpec]:
+        """The measured methods in table order: our AR, DFlash, DFlash 2, then the peers."""
+        specs: list[MethodSpec] = []
+        if AR in self.methods:
+            specs.append(MethodSpec(AR, AR, ENGINE, block_size=1))
+        for family, use_selector in ((DFLASH, False), (DFLASH2, True)):
+            if family in self.methods:
+                specs += [
+                    MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
+                    for b in self.block_sizes
+                ]
+        if HF in self.methods:
+            specs.append(MethodSpec(HF, HF, TRANSFORMERS))
+        if HF_PLD in self.methods:
+            specs.append(MethodSpec(HF_PLD, HF_PLD, TRANSFORMERS, prompt_lookup_tokens=self.prompt_lookup_tokens))
+        if LLAMA_CPP in self.methods:
+            specs.append(MethodSpec(LLAMA_CPP, LLAMA_CPP, LLAMA))
+        return specs
+
+    @property
+    def serving_block_size(self) -> int:
+        """B of the speculative server: ``--block-size`` when given, else the first of ``block_sizes``."""
+        return self.engine.block_size if self.engine.block_size not in (None, 1) else self.block_sizes[0]
+
+    def engine_config(self, block_size: int, use_selector: bool, max_num_seqs: int = 1) -> EngineConfig:
+        """The engine configuration of one engine method (batch 1 by default)."""
+        e = self.engine
+        return EngineConfig(
+            model=e.model,
+            drafter=e.drafter,
+            block_size=block_size,
+            use_selector=use_selector,
+            max_num_seqs=max_num_seqs,
+            max_model_len=e.max_model_len,
+            device=e.device,
+            dtype=e.dtype,
+            seed=e.seed,
+            num_threads=e.num_threads,
+        )

@@ -1,0 +1,111 @@
+"""A GGUF file with the same weights as the benchmarked model, for llama.cpp.
+
+When the model came from a GGUF file (the embedded SmolLM2 ships as Q4_1 GGUF; a ``--model`` that
+is a ``.gguf`` file), the safetensors folder this engine and transformers load is that file
+dequantized. To give llama.cpp the same weights in the same precision, that GGUF is dequantized
+with the ``gguf`` package into F32 (F16 / BF16 when ``--dtype`` says so): every metadata field is
+copied, every tensor is written dequantized under its own name, ``general.file_type`` is updated.
+llama.cpp then computes in that precision instead of its quantized kernels.
+
+A model that did not come from GGUF cannot be exported here: the ``gguf`` package writes GGUF
+files but has no converter from a transformers folder (that converter is llama.cpp's
+``convert_hf_to_gguf.py``, which is not on PyPI), so ``--gguf FILE`` must be given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash2.models import source
+
+logger = logging.getLogger(__name__)
+
+_FILE_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32)}  # name, LlamaFileType
+
+
+@dataclass(frozen=True)
+class GgufChoice:
+    """The GGUF for llama.cpp (None when there is none) and how it was chosen."""
+
+    path: Path | None
+    note: str
+
+
+def source_gguf(model: str | None, folder: Path) -> Path | None:
+    """The GGUF file a model folder was converted from, if any."""
+    if model is None:
+        return source.embedded_gguf_path()
+    if model.endswith(".gguf") and Path(model).is_file():
+        return Path(model)
+    marker = folder / source.COMPLETE_MARKER
+    if marker.is_file():
+        origin = Path(json.loads(marker.read_text()).get("source", ""))
+        return origin if origin.is_file() else None
+    return None
+
+
+def choose_gguf(model: str | None, folder: Path, dtype_name: str, explicit: Path | None) -> GgufChoice:
+    """``explicit`` as given, else the model's source GGUF dequantized to ``dtype_name``."""
+    if explicit is not None:
+        if not explicit.is_file():
+            return GgufChoice(None, f"--gguf {explicit} does not exist")
+        return GgufChoice(explicit, f"{explicit} (given with --gguf)")
+    origin = source_gguf(model, folder)
+    if origin is None:
+        return GgufChoice(
+            None,
+            f"no GGUF for {folder}: the model did not come from a GGUF file, and the gguf package cannot "
+            "convert a transformers folder (llama.cpp's convert_hf_to_gguf.py does; it is not on PyPI); "
+            "pass --gguf FILE",
+        )
+    type_name, _ = _FILE_TYPES[dtype_name]
+    target = source.cache_dir() / "gguf" / f"{origin.stem}-{source.gguf_fingerprint(origin)}-{type_name}.gguf"
+    if not target.is_file():
+        try:
+            dequantize_gguf(origin, target, dtype_name)
+        except Exception as exc:  # the gguf package raises NotImplementedError, ValueError, …
+            return GgufChoice(None, f"could not dequantize {origin} with the gguf package: {exc}; pass --gguf FILE")
+    return GgufChoice(target, f"{origin.name} dequantized to {type_name} (the weights this engine loads)")
+
+
+def dequantize_gguf(origin: Path, target: Path, dtype_name: str) -> Path:
+    """Write ``origin`` with every tensor dequantized to ``dtype_name`` (float32, float16, bfloat16)."""
+    import gguf
+    import numpy as np
+
+    type_name, file_type = _FILE_TYPES[dtype_name]
+    reader = gguf.GGUFReader(origin)
+    architecture = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Writing %s (%s) from %s for llama.cpp", target, type_name, origin)
+    writer = gguf.GGUFWriter(str(tmp), architecture)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        value = file_type if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if weights.ndim == 1 or type_name == "F32":  # norms stay F32, as llama.cpp's own converter keeps them
+            writer.add_tensor(tensor.name, weights)
+        elif type_name == "F16":
+            writer.add_tensor(tensor.name, weights.astype(np.float16))
+        elif type_name == "BF16":
+            packed = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(tensor.name, packed, raw_dtype=gguf.GGMLQuantizationType.BF16)  # uint8 rows
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target

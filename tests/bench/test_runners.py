@@ -1,0 +1,142 @@
+"""The runners in-process on the tiny folder: this engine (counters, conv probe) and transformers generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from dflash2.bench.conv_probe import convs_disabled, measure_conv_overhead
+from dflash2.bench.gguf_export import choose_gguf, dequantize_gguf
+from dflash2.bench.runners import EngineRunner, TransformersRunner
+from dflash2.config import EngineConfig
+from dflash2.models import loader
+from tests.bench.conftest import TinyFolders
+
+
+def _prompt(folder: Path) -> list[int]:
+    tokenizer = loader.load_tokenizer(folder)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Add 2 and 3."}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text))
+
+
+def _engine_runner(tiny: TinyFolders, block_size: int) -> EngineRunner:
+    config = EngineConfig(
+        model=str(tiny.model),
+        drafter=str(tiny.drafter),
+        block_size=block_size,
+        max_num_seqs=1,
+        device="cpu",
+        dtype="float32",
+        num_threads=1,
+    )
+    return EngineRunner(config)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt_lookup_tokens", [0, 4])
+def test_transformers_generate_on_the_tiny_folder(
+    tiny_folders: TinyFolders, temperature: float, prompt_lookup_tokens: int
+) -> None:
+    runner = TransformersRunner(tiny_folders.model, torch.float32, torch.device("cpu"), [257], prompt_lookup_tokens)
+    config = runner.generation_config(6, temperature)
+    assert config.do_sample == (temperature > 0)
+    if temperature > 0:
+        assert (config.top_k, config.top_p, config.temperature) == (0, 1.0, temperature)  # full-vocabulary sampling
+    sample = runner.generate(_prompt(tiny_folders.model), 6, temperature, seed=0)
+    assert 1 <= sample.num_output_tokens <= 6
+    assert 0 < sample.ttft <= sample.seconds
+    assert runner.describe()["prompt_lookup_num_tokens"] == (prompt_lookup_tokens or None)
+
+
+def test_transformers_greedy_matches_this_engine(tiny_folders: TinyFolders) -> None:
+    """Same folder, same prompt ids, greedy: both make the same number of tokens (same stop, same length)."""
+    prompt = _prompt(tiny_folders.model)
+    hf = TransformersRunner(tiny_folders.model, torch.float32, torch.device("cpu"), [257]).generate(prompt, 8, 0.0, 0)
+    ours = _engine_runner(tiny_folders, 1).generate(prompt, 8, 0.0, 0)
+    assert hf.num_output_tokens == ours.num_output_tokens
+
+
+def test_engine_runner_counts_verify_steps_and_the_cost_split(tiny_folders: TinyFolders) -> None:
+    runner = _engine_runner(tiny_folders, 4)
+    sample = runner.generate(_prompt(tiny_folders.model), 12, 0.0, seed=0)
+    assert sample.num_output_tokens >= 1
+    committed_after_prefill = sample.num_output_tokens - 1
+    # each verify step commits its accepted drafts + 1 (one less when EOS lands inside the accepted drafts)
+    assert 0 <= sample.num_verify_steps + sample.num_accepted_tokens - committed_after_prefill <= 1
+    assert len(sample.drafted_per_position) == 3
+    assert sum(sample.accepted_per_position) == sample.num_accepted_tokens
+    assert sample.num_decode_steps == sample.num_verify_steps - 1  # the first cycle shares a step with the prefill
+    assert sample.decode_time >= sample.draft_time + sample.select_time + sample.verify_time > 0
+    info = runner.describe()
+    assert info["block_size"] == 4 and info["has_conv"] and info["drafter"] == str(tiny_folders.drafter)
+
+
+def test_conv_probe_times_both_variants_and_leaves_the_drafter_intact(tiny_folders: TinyFolders) -> None:
+    runner = _engine_runner(tiny_folders, 4)
+    drafter = runner.engine.drafter
+    assert drafter is not None
+    prompt = _prompt(tiny_folders.model)
+    before = runner.generate(prompt, 8, 0.0, seed=0)
+    probe = measure_conv_overhead(runner, prompt, 8, repeats=2)
+    after = runner.generate(prompt, 8, 0.0, seed=0)
+    assert probe["num_calls"] >= 1 and probe["num_pairs"] == 2 * probe["num_calls"]
+    assert probe["with_conv_ms"] > 0 and probe["without_conv_ms"] > 0
+    assert "draft_hidden" not in vars(drafter)  # the interception is gone
+    assert all(layer.attention_conv is not None and layer.mlp_conv is not None for layer in drafter.draft_layers())
+    assert (before.num_output_tokens, before.num_accepted_tokens) == (
+        after.num_output_tokens,
+        after.num_accepted_tokens,
+    )
+
+
+def test_convs_disabled_changes_the_forward_and_restores(tiny_folders: TinyFolders) -> None:
+    runner = _engine_runner(tiny_folders, 4)
+    drafter = runner.engine.drafter
+    assert drafter is not None
+    with convs_disabled(drafter):
+        assert all(layer.attention_conv is None and layer.mlp_conv is None for layer in drafter.draft_layers())
+    assert all(layer.attention_conv is not None for layer in drafter.draft_layers())
+
+
+def test_no_gguf_for_a_plain_transformers_folder(tiny_folders: TinyFolders) -> None:
+    choice = choose_gguf(str(tiny_folders.model), tiny_folders.model, "float32", None)
+    assert choice.path is None and "--gguf" in choice.note
+    missing = choose_gguf(None, tiny_folders.model, "float32", tiny_folders.model / "nope.gguf")
+    assert missing.path is None and "does not exist" in missing.note
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_dequantize_gguf_keeps_metadata_and_values(tmp_path: Path, dtype_name: str) -> None:
+    source = tmp_path / "q.gguf"
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, 64)).astype(np.float32)
+    norm = np.ones(64, dtype=np.float32)
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_name("tiny")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_token_list(["a", "b"])
+    quantized = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("w", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("norm", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    target = dequantize_gguf(source, tmp_path / "out.gguf", dtype_name)
+    reader = gguf.GGUFReader(target)
+    assert reader.fields["general.name"].contents() == "tiny"
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
+    assert reader.fields["general.file_type"].contents() == {"float32": 0, "float16": 1, "bfloat16": 32}[dtype_name]
+    tensors = {t.name: t for t in reader.tensors}
+    expected = gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0)
+    written = gguf.quants.dequantize(tensors["w"].data, tensors["w"].tensor_type)
+    assert written.shape == (8, 64)
+    np.testing.assert_allclose(written, expected, rtol=1e-2, atol=1e-2)
+    assert tensors["norm"].tensor_type == gguf.GGMLQuantizationType.F32  # norms stay float32

@@ -1,0 +1,131 @@
+"""Serving benchmark pieces: loopback-only URLs, SSE chunk parsing, level statistics, /metrics deltas, and one
+real ``dflash2 serve`` subprocess on the tiny folder (started, loaded at concurrency 1, drained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash2.bench.config import BenchConfig
+from dflash2.bench.serving import (
+    RequestResult,
+    ServerSpec,
+    _chunk_events,
+    acceptance_from_counters,
+    add_serving_speedups,
+    is_loopback_url,
+    load_server,
+    process_peak_rss_bytes,
+    run_serving,
+    serve_command,
+    server_specs,
+    started_server,
+    summarize_level,
+)
+from dflash2.config import EngineConfig
+from tests.bench.conftest import TinyFolders
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:8000", True),
+        ("http://127.3.4.5:1", True),
+        ("http://localhost:8000/", True),
+        ("http://[::1]:8000", True),
+        ("http://10.0.0.1:8000", False),
+        ("http://192.168.1.2", False),
+        ("http://example.com", False),
+    ],
+)
+def test_only_loopback_urls(url: str, expected: bool) -> None:
+    assert is_loopback_url(url) is expected
+
+
+def test_a_non_loopback_url_is_refused_without_traffic(tmp_path: Path) -> None:
+    result = run_serving(BenchConfig(url="http://10.1.2.3:8000"), [], tmp_path, lambda _: None)
+    assert result.levels == [] and "loopback" in result.notes[0]
+
+
+def test_chunk_parsing() -> None:
+    result = RequestResult(ok=True)
+    assert not _chunk_events({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, result)
+    assert _chunk_events({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}, result)
+    assert _chunk_events({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, result)
+    usage = {"completion_tokens": 7, "prompt_tokens": 3, "total_tokens": 10}
+    info = {"draft_tokens": 21, "accepted_tokens": 4, "verify_steps": 3, "mean_acceptance_length": 2.33}
+    assert not _chunk_events({"choices": [], "usage": usage, "dflash2": info}, result)
+    assert (result.num_output_tokens, result.num_verify_steps, result.num_accepted_tokens) == (7, 3, 4)
+    _chunk_events({"error": {"message": "boom"}}, result)
+    assert not result.ok and result.error == "boom"
+
+
+def test_level_statistics() -> None:
+    results = [
+        RequestResult(
+            ok=True,
+            seconds=1.0,
+            ttft=0.1,
+            num_output_tokens=10,
+            chunk_gaps=[0.1] * 9,
+            num_verify_steps=3,
+            num_accepted_tokens=6,
+        ),
+        RequestResult(
+            ok=True,
+            seconds=2.0,
+            ttft=0.3,
+            num_output_tokens=18,
+            chunk_gaps=[0.2] * 5,
+            num_verify_steps=5,
+            num_accepted_tokens=12,
+        ),
+        RequestResult(ok=False, error="HTTP 500: x"),
+    ]
+    level = summarize_level("dflash2-b8", 2, results, seconds=4.0)
+    assert (level.num_requests, level.num_errors, level.errors) == (3, 1, ["HTTP 500: x"])
+    assert level.output_tokens_per_second == pytest.approx(7.0)  # 28 tokens / 4 s
+    assert level.ttft_p50_ms == pytest.approx(200.0)
+    assert level.itl_p50_ms == pytest.approx(100.0)
+    assert level.tau == pytest.approx((18 + 8) / 8)
+    assert level.tpot_mean_ms == pytest.approx((0.9 / 9 + 1.7 / 17) / 2 * 1e3)
+    ar = summarize_level("ar", 2, [RequestResult(ok=True, seconds=1, ttft=0.1, num_output_tokens=14)], seconds=4.0)
+    add_serving_speedups([ar, level])
+    assert level.speedup_vs_ar == pytest.approx(2.0) and ar.speedup_vs_ar == pytest.approx(1.0)
+
+
+def test_acceptance_from_metric_deltas() -> None:
+    name = "dflash2_spec_decode_num_accepted_tokens_per_pos_total"
+    before = {"dflash2_spec_decode_num_drafts_total": 10, "dflash2_spec_decode_num_accepted_tokens_total": 5}
+    before |= {f"{name}{{0}}": 4, f"{name}{{1}}": 1}
+    after = {"dflash2_spec_decode_num_drafts_total": 20, "dflash2_spec_decode_num_accepted_tokens_total": 20}
+    after |= {f"{name}{{0}}": 12, f"{name}{{1}}": 6, f"{name}{{2}}": 2}
+    tau, per_position = acceptance_from_counters(before, after)
+    assert tau == pytest.approx(2.5)
+    assert per_position == pytest.approx([0.8, 0.5, 0.2])
+    assert acceptance_from_counters(after, after) == (None, [])
+
+
+def test_server_specs_follow_the_methods() -> None:
+    config = BenchConfig(methods=("ar", "dflash2", "hf"), block_sizes=(16, 8))
+    assert server_specs(config) == [ServerSpec("ar", 1), ServerSpec("dflash2-b16", 16, True)]
+    assert server_specs(BenchConfig(methods=("dflash",), block_sizes=(8,))) == [ServerSpec("dflash-b8", 8, False)]
+    assert server_specs(BenchConfig(url="http://127.0.0.1:9/")) == [ServerSpec("url", url="http://127.0.0.1:9")]
+    command = serve_command(BenchConfig(engine=EngineConfig(num_threads=1)), ServerSpec("dflash-b8", 8, False), 1234)
+    assert command[3:8] == ["serve", "--host", "127.0.0.1", "--port", "1234"]
+    assert "--no-selector" in command and "--model" not in command
+    assert command[command.index("--max-num-seqs") + 1] == "8"
+
+
+def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Path) -> None:
+    engine = EngineConfig(model=str(tiny_folders.model), num_threads=1, max_model_len=512)
+    config = BenchConfig(engine=engine, max_tokens=4, concurrency=(1,), serving_requests=1, serving_seconds=30)
+    messages = [[{"role": "user", "content": "Hello"}]]
+    with started_server(config, ServerSpec("ar", 1), tmp_path / "serve.log") as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        levels = load_server(config, "ar", server.url, messages, lambda _: None)
+        assert (process_peak_rss_bytes(server.process.pid) or 0) > 10e6
+    assert server.process.returncode is not None  # stopped (SIGTERM, drained)
+    assert len(levels) == 1 and levels[0].num_errors == 0, levels[0].errors
+    assert levels[0].tau == pytest.approx(1.0)
