@@ -238,7 +238,7 @@ def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         lines += ["", "### Methods", "", *method_table(results)]
     serving = serving_table(results)
     if serving:
-        lines += ["", "## Serving (streaming chat, loopback)", "", *serving]
+        lines += ["", "## Serving (streaming chat, loopback)", "", *serving, ""]
         for server, info in results["serving"].get("servers", {}).items():
             lines.append(
                 f"- {server}: `{info.get('command', info.get('url'))}`, peak RSS {mb(info.get('peak_rss_bytes'))} MB"
@@ -269,16 +269,17 @@ def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     written = []
     for name, plot in ((SPEED_PLOT, _plot_speed), (SERVING_PLOT, _plot_serving), (ACCEPTANCE_PLOT, _plot_acceptance)):
         figure = plot(results)
-        if figure is not None:
-            figure.tight_layout()
-            figure.savefig(out / name, dpi=110)
-            written.append(out / name)
-            import matplotlib.pyplot as plt
-
-            plt.close(figure)
+        if figure is None:
+            continue
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=110)
+        plt.close(figure)
+        written.append(out / name)
     return written
 
 
@@ -324,8 +325,7 @@ def _plot_serving(results: dict[str, Any]) -> Any:
     for server in servers:
         points = [(lv["concurrency"], lv["output_tokens_per_second"]) for lv in levels if lv["server"] == server]
         ax.plot(*zip(*points), marker="o", label=server)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent streams")
+    _concurrency_axis(ax, levels)
     ax.set_ylabel("output tokens/s")
     ax.set_title("Serving throughput")
     ax.legend()
@@ -340,12 +340,19 @@ def _plot_serving(results: dict[str, Any]) -> Any:
             if points:
                 ax.plot(*zip(*points), marker="o", label=server)
         ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
+        _concurrency_axis(ax, levels)
         ax.set_ylabel("× autoregressive server")
         ax.set_title("Speedup vs concurrency")
         ax.legend()
     return figure
+
+
+def _concurrency_axis(ax: Any, levels: list[dict[str, Any]]) -> None:
+    concurrency = sorted({lv["concurrency"] for lv in levels})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrency, [str(c) for c in concurrency])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent streams")
 
 
 def _plot_acceptance(results: dict[str, Any]) -> Any:
