@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -22,6 +23,14 @@ from dflash2.sampling import SamplingParams
 
 _DEFAULTS = EngineConfig()
 _BENCH_DEFAULTS = BenchConfig()
+
+
+LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, … (default: $DFLASH2_LOG_LEVEL or WARNING)"
+
+
+def default_log_level() -> str:
+    """The log level when ``--log-level`` is not given: ``$DFLASH2_LOG_LEVEL`` or WARNING."""
+    return os.environ.get("DFLASH2_LOG_LEVEL", "WARNING")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -326,7 +335,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``dflash2`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, …")
+    parser.add_argument("--log-level", default=default_log_level(), help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary")
     gen.add_argument("--prompt", required=True)
@@ -408,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=_bench)
+    for subparser in sub.choices.values():
+        # Also accepted after the subcommand (container CMD / Kubernetes args append there).
+        subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
     return parser
 
 

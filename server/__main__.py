@@ -7,14 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dflash2.cli import add_engine_args, engine_config_from_args
+from dflash2.cli import LOG_LEVEL_HELP, add_engine_args, default_log_level, engine_config_from_args
 from server.settings import add_server_args, settings_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Server flags, then the engine flags shared with the ``dflash2`` command."""
     parser = argparse.ArgumentParser(prog="python -m server", description="OpenAI-compatible dflash2 server")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, … (dflash2 and server loggers)")
+    parser.add_argument("--log-level", default=default_log_level(), help=LOG_LEVEL_HELP)
     add_server_args(parser)
     add_engine_args(parser)
     return parser
