@@ -322,6 +322,58 @@ class Trainer:
             bar.close()
             log.close()
             self.save_checkpoint()
+        plot_training_log(self.run_dir / "log.jsonl", self.run_dir / "loss.png")
         if export_dir is not None:
             self.export(export_dir)
         return last
+
+
+def read_training_log(path: Path) -> list[dict[str, Any]]:
+    """Metrics lines of ``log.jsonl`` in step order; after a resume the newer line of a step wins."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            metrics = json.loads(line)
+            by_step[int(metrics["step"])] = metrics
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def plot_training_log(log_path: Path, png_path: Path, window: int = 20) -> None:
+    """PNG of the loss (unary CE and selector CE) and the top-1 / top-k recall per step.
+
+    Raw values are drawn faintly with a ``window``-step moving average on top.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = read_training_log(log_path)
+    if not log:
+        return
+    steps = [m["step"] for m in log]
+
+    def smooth(values: list[float]) -> list[float]:
+        out, total = [], 0.0
+        for i, v in enumerate(values):
+            total += v - (values[i - window] if i >= window else 0.0)
+            out.append(total / min(i + 1, window))
+        return out
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("loss", "decay-weighted CE"), ("selector_loss", "selector CE")):
+        values = [m[key] for m in log]
+        (line,) = left.plot(steps, smooth(values), label=label)
+        left.plot(steps, values, alpha=0.2, color=line.get_color())
+    left.set_xlabel("step")
+    left.set_title("Training loss")
+    left.legend()
+    for key, label in (("top1", "top-1 recall"), ("topk", "top-k recall")):
+        right.plot(steps, smooth([m[key] for m in log]), label=label)
+    right.set_xlabel("step")
+    right.set_ylim(0, 1)
+    right.set_title("Teacher-forced recall over drafted slots (training batches)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

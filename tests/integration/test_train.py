@@ -59,6 +59,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     last = sum(m["loss"] for m in log[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert log[-1]["top1"] > log[0]["top1"]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     # The export is the published layout and drafts losslessly in the engine.
     drafter = DFlashDrafter.load(tmp_path / "drafter", torch.float32, "cpu")
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]

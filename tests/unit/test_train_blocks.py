@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import torch
 
 from dflash2.train.blocks import block_losses, make_blocks, sample_anchors, slot_weights
+from dflash2.train.trainer import read_training_log
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
 
@@ -106,3 +108,10 @@ def test_selector_loss_counts_only_slots_with_label_in_top_k():
     assert torch.allclose(terms.selector_weight, expected_weight)
     assert torch.equal(terms.topk, in_top.sum(0).float())
     assert terms.base_weight == blocks.weights[:, 1:].sum()
+
+
+def test_training_log_keeps_the_newest_line_of_each_step(tmp_path):
+    log = tmp_path / "log.jsonl"
+    lines = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}, {"step": 2, "loss": 7.5}, {"step": 3, "loss": 7.0}]
+    log.write_text("".join(json.dumps(m) + "\n" for m in lines))  # step 2 ran again after a resume
+    assert [(m["step"], m["loss"]) for m in read_training_log(log)] == [(1, 9.0), (2, 7.5), (3, 7.0)]
