@@ -210,6 +210,7 @@ def _train(args: argparse.Namespace) -> int:
         seed=args.train_seed,
         checkpoint_every=args.checkpoint_every,
         draft_vocab_size=args.draft_vocab_size,
+        init_drafter=str(args.init_drafter) if args.init_drafter else None,
     )
     mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
     layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
@@ -388,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--blocks-per-step", type=int, default=256)
     train.add_argument("--anchors-per-sequence", type=int, default=32)
     train.add_argument("--no-init-from-target", action="store_true")
+    train.add_argument(
+        "--init-drafter",
+        type=Path,
+        default=None,
+        help="start from this exported drafter's weights (continue training in a new run)",
+    )
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     train.add_argument("--train-seed", type=int, default=0)
     train.add_argument("--checkpoint-every", type=int, default=50)

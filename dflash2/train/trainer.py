@@ -53,6 +53,9 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints.
         draft_vocab_size: restrict the drafter's LM head to this many frequency-ranked tokens
             (``draft_vocabulary``); 0 = the full vocabulary.
+        init_drafter: start from the weights (and draft vocabulary) of this exported drafter
+            folder instead of a fresh initialisation, e.g. to continue training in a new run;
+            its shape must match these settings.
     """
 
     num_layers: int = 3
@@ -76,6 +79,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     draft_vocab_size: int = 0
+    init_drafter: str | None = None
 
 
 def draft_vocabulary(dataset: TokenDataset, indices: list[int], vocab_size: int, size: int) -> torch.Tensor:
@@ -169,6 +173,8 @@ class Trainer:
         if config.draft_vocab_size:
             vocab_size = self.drafter.config.vocab_size
             self.drafter.set_draft_vocab(draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size))
+        if config.init_drafter:
+            self._init_from_drafter(Path(config.init_drafter))
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
@@ -176,6 +182,21 @@ class Trainer:
         self.rng = random.Random(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self._resume()
+
+    def _init_from_drafter(self, folder: Path) -> None:
+        """Copy an exported drafter's weights (and draft vocabulary) into the fresh drafter.
+
+        Raises:
+            ValueError: when its shape differs from this run's settings.
+        """
+        device = self.drafter.fc.weight.device
+        source = DFlashDrafter.load(folder, dtype=torch.float32, device=device)
+        if source.config.to_dict() != self.drafter.config.to_dict():
+            raise ValueError(f"{folder} was trained with another drafter shape than this run's settings")
+        self.drafter.load_state_dict(source.state_dict())
+        if source.draft_vocab is not None:
+            self.drafter.set_draft_vocab(source.draft_vocab)
+        logger.info("initialised the drafter from %s", folder)
 
     # ---- checkpoints ------------------------------------------------------------------------
 

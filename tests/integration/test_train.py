@@ -96,3 +96,30 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
         assert torch.equal(a, b)
     resumed.run()
     assert resumed.step == 6
+
+
+def test_a_new_run_can_start_from_an_exported_drafter(tmp_path):
+    target = tiny_target(vocab_size=96, seed=2)
+    dataset = _dataset(target)
+    config = TrainConfig(
+        num_layers=1,
+        block_size=4,
+        selector_rank=8,
+        selector_top_k=8,
+        steps=2,
+        blocks_per_step=32,
+        init_from_target=False,
+        draft_vocab_size=48,
+    )
+    features = extract_features(target, dataset, (2,))
+    first = Trainer(target, dataset, features, config, tmp_path / "first", mask_token_id=95)
+    first.run(export_dir=tmp_path / "export")
+    exported = DFlashDrafter.load(tmp_path / "export", torch.float32, "cpu")
+    second_config = TrainConfig(**{**config.__dict__, "seed": 7, "init_drafter": str(tmp_path / "export")})
+    second = Trainer(target, dataset, features, second_config, tmp_path / "second", 95)
+    for name, value in exported.state_dict().items():
+        assert torch.equal(second.drafter.state_dict()[name], value), name
+    assert torch.equal(second.drafter.draft_vocab, exported.draft_vocab)
+    wider = TrainConfig(**{**second_config.__dict__, "num_layers": 2})
+    with pytest.raises(ValueError, match="another drafter shape"):
+        Trainer(target, dataset, features, wider, tmp_path / "third", 95)
