@@ -74,19 +74,16 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     assert [o.token_ids for o in spec] == [o.token_ids for o in ar]
 
 
+def _one_layer_config(**overrides) -> TrainConfig:
+    """A one-layer, block-4 run of a few steps on the tiny target."""
+    settings = dict(num_layers=1, block_size=4, selector_rank=8, selector_top_k=8, blocks_per_step=32)
+    return TrainConfig(**{**settings, "init_from_target": False, **overrides})
+
+
 def test_training_resumes_from_its_checkpoint(tmp_path):
     target = tiny_target(vocab_size=96, seed=2)
     dataset = _dataset(target)
-    config = TrainConfig(
-        num_layers=1,
-        block_size=4,
-        selector_rank=8,
-        selector_top_k=8,
-        steps=4,
-        blocks_per_step=32,
-        checkpoint_every=2,
-        init_from_target=False,
-    )
+    config = _one_layer_config(steps=4, checkpoint_every=2)
     features = extract_features(target, dataset, (2,))
     first = Trainer(target, dataset, features, config, tmp_path, mask_token_id=95)
     first.run()
@@ -101,16 +98,7 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
 def test_a_new_run_can_start_from_an_exported_drafter(tmp_path):
     target = tiny_target(vocab_size=96, seed=2)
     dataset = _dataset(target)
-    config = TrainConfig(
-        num_layers=1,
-        block_size=4,
-        selector_rank=8,
-        selector_top_k=8,
-        steps=2,
-        blocks_per_step=32,
-        init_from_target=False,
-        draft_vocab_size=48,
-    )
+    config = _one_layer_config(steps=2, draft_vocab_size=48)
     features = extract_features(target, dataset, (2,))
     first = Trainer(target, dataset, features, config, tmp_path / "first", mask_token_id=95)
     first.run(export_dir=tmp_path / "export")
