@@ -212,10 +212,16 @@ def plot_acceptance(results: dict[str, dict[str, Any]], recall: dict[int, list[f
 
 def markdown_table(results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None) -> str:
     """The eval tables as markdown."""
-    lines = ["| prompt set | T | block | τ | tok/s |", "|---|---|---|---|---|"]
+    lines = [
+        "| prompt set | T | block | τ | tok/s | P(accept draft j · all before accepted), j = 1, 2, … |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         prompt_set, temperature, block = name.split("/")
-        lines.append(f"| {prompt_set} | {temperature} | {block} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} |")
+        rates = " ".join(f"{v:.2f}" for v in r["conditional_acceptance"])
+        lines.append(
+            f"| {prompt_set} | {temperature} | {block} | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {rates} |"
+        )
     if recall:
         positions = len(next(iter(recall.values())))
         lines += [

@@ -25,6 +25,7 @@ def test_acceptance_rates_from_step_stats():
     assert result.conditional_acceptance == [1.0, 0.5, 1.0]
     table = markdown_table({"math/0/4": result.to_dict()}, {1: [0.5, 0.25, 0.125]})
     assert "| math | 0 | 4 | 3.00 |" in table and "Recall@1 | 0.500 | 0.250 | 0.125 |" in table
+    assert table.splitlines()[2].endswith("| 1.00 0.50 1.00 |")
 
 
 def test_prompt_sets_ship_with_the_package():
