@@ -31,14 +31,18 @@ format: install
 	$(BIN)/ruff format dflash2 server tests
 	$(BIN)/ruff check --fix dflash2 server tests
 
+# THREADS=1 when other work shares the cores: oversubscribed torch threads wait on each other.
+THREADS ?=
+THREADS_FLAG := $(if $(THREADS),--threads $(THREADS))
+
 PROMPT ?= Explain what a binary search does.
 generate: install
-	$(BIN)/dflash2 generate --prompt "$(PROMPT)"
+	$(BIN)/dflash2 generate --prompt "$(PROMPT)" $(THREADS_FLAG)
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 serve: install
-	$(BIN)/dflash2 serve --host $(HOST) --port $(PORT)
+	$(BIN)/dflash2 serve --host $(HOST) --port $(PORT) $(THREADS_FLAG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

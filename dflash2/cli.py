@@ -141,6 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
     decode_time = elapsed - ((first_token_at or start) - start)
     decode_rate = (num_tokens - 1) / decode_time if num_tokens > 1 and decode_time > 0 else 0.0
     sys.stdout.write("\n")
+    sys.stdout.flush()
     print(
         f"[dflash2] {num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tok/s overall, "
         f"{decode_rate:.1f} tok/s after the first token; block size {llm.engine.block_size}, "
