@@ -70,7 +70,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="prompt + output tokens per request (default: min(model limit, 2048))",
     )
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, …")
-    g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", *DTYPES])
+    g.add_argument(
+        "--dtype",
+        default=_DEFAULTS.dtype,
+        choices=["auto", *DTYPES],
+        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)",
+    )
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
     g.add_argument(
         "--threads",
@@ -316,9 +321,21 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=d.repeats, help="measured repetitions (after a warm-up)")
-    parser.add_argument("--methods", nargs="+", choices=METHOD_FAMILIES, default=list(d.methods))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHOD_FAMILIES,
+        default=list(d.methods),
+        help="methods to measure (default: all)",
+    )
     parser.add_argument("--block-sizes", type=int, nargs="+", default=list(d.block_sizes), help="B of dflash/dflash2")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=list(d.temperatures))
+    parser.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=list(d.temperatures),
+        help="sampling temperatures (0 = greedy) (default: %(default)s)",
+    )
     parser.add_argument(
         "--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="prompt_lookup_num_tokens (hf-pld)"
     )
@@ -331,7 +348,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency), help="streams per level")
     parser.add_argument("--serving-requests", type=int, default=d.serving_requests, help="requests per level")
     parser.add_argument("--serving-seconds", type=float, default=d.serving_seconds, help="time bound per level")
-    parser.add_argument("--serving-temperature", type=float, default=d.serving_temperature)
+    parser.add_argument(
+        "--serving-temperature",
+        type=float,
+        default=d.serving_temperature,
+        help="temperature of the serving requests (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,14 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=default_log_level(), help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the user message (chat template applied unless --raw)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--request-seed", dest="seed_request", type=int, default=None)
+    gen.add_argument(
+        "--request-seed",
+        dest="seed_request",
+        metavar="SEED",
+        type=int,
+        default=None,
+        help="seed of this request (reproducible sampling)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -355,12 +384,31 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--out", required=True, help="output folder (dataset.safetensors, manifest.json, …)")
     data.add_argument("--num-prompts", type=int, default=1000, help="prompts to synthesize (0 = only --prompts)")
     data.add_argument("--prompts", type=Path, default=None, help="JSONL of {prompt} or {messages} to add")
-    data.add_argument("--max-prompt-tokens", type=int, default=96)
-    data.add_argument("--max-response-tokens", type=int, default=256)
-    data.add_argument("--response-temperature", type=float, default=0.0)
-    data.add_argument("--multi-turn-fraction", type=float, default=0.15)
-    data.add_argument("--heldout-fraction", type=float, default=0.05)
-    data.add_argument("--data-seed", type=int, default=0)
+    data.add_argument(
+        "--max-prompt-tokens", type=int, default=96, help="longest synthesized user message (default: %(default)s)"
+    )
+    data.add_argument("--max-response-tokens", type=int, default=256, help="longest answer (default: %(default)s)")
+    data.add_argument(
+        "--response-temperature",
+        type=float,
+        default=0.0,
+        help="temperature of the answers (default: %(default)s = greedy)",
+    )
+    data.add_argument(
+        "--multi-turn-fraction",
+        type=float,
+        default=0.15,
+        help="share of conversations with a follow-up turn (default: %(default)s)",
+    )
+    data.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=0.05,
+        help="share of prompts held out of training (default: %(default)s)",
+    )
+    data.add_argument(
+        "--data-seed", type=int, default=0, help="seed of topics, temperatures and the split (default: %(default)s)"
+    )
     add_engine_args(data)
     data.set_defaults(func=_data, max_num_seqs=16)
 
@@ -369,27 +417,40 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, required=True, help="checkpoints and log.jsonl (resumed if present)")
     train.add_argument("--out", type=Path, required=True, help="export folder (config.json + model.safetensors)")
     train.add_argument("--features", type=Path, default=None, help="feature cache file (default: in --data)")
-    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
-    train.add_argument("--train-block-size", type=int, default=8)
-    train.add_argument("--num-layers", type=int, default=3)
+    train.add_argument("--train-block-size", type=int, default=8, help="block size B trained at (default: %(default)s)")
+    train.add_argument("--num-layers", type=int, default=3, help="drafter layers (default: %(default)s)")
     train.add_argument("--no-conv", action="store_true", help="no DFlash 2 dynamic convolution")
     train.add_argument(
         "--no-train-selector", dest="no_selector", action="store_true", help="no DFlash 2 candidate selector"
     )
-    train.add_argument("--selector-rank", type=int, default=32)
-    train.add_argument("--selector-top-k", type=int, default=16)
-    train.add_argument("--selector-alpha", type=float, default=0.5)
+    train.add_argument("--selector-rank", type=int, default=32, help="selector rank r (default: %(default)s)")
+    train.add_argument("--selector-top-k", type=int, default=16, help="candidates per slot (default: %(default)s)")
+    train.add_argument(
+        "--selector-alpha", type=float, default=0.5, help="weight of the selector loss (default: %(default)s)"
+    )
     train.add_argument(
         "--draft-vocab-size",
         type=int,
         default=16384,
         help="restrict the drafter's LM head to this many frequency-ranked tokens (0 = full vocabulary)",
     )
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--blocks-per-step", type=int, default=256)
-    train.add_argument("--anchors-per-sequence", type=int, default=32)
-    train.add_argument("--no-init-from-target", action="store_true")
+    train.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
+    train.add_argument(
+        "--blocks-per-step", type=int, default=256, help="blocks per optimizer step (default: %(default)s)"
+    )
+    train.add_argument(
+        "--anchors-per-sequence",
+        type=int,
+        default=32,
+        help="blocks drawn from one conversation at most (default: %(default)s)",
+    )
+    train.add_argument(
+        "--no-init-from-target",
+        action="store_true",
+        help="random drafter layers instead of copies of the target's last layers",
+    )
     train.add_argument(
         "--init-drafter",
         type=Path,
@@ -397,8 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from this exported drafter's weights (continue training in a new run)",
     )
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    train.add_argument("--train-seed", type=int, default=0)
-    train.add_argument("--checkpoint-every", type=int, default=50)
+    train.add_argument(
+        "--train-seed", type=int, default=0, help="seed of initialisation and sampling (default: %(default)s)"
+    )
+    train.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)"
+    )
     add_engine_args(train)
     train.set_defaults(func=_train)
 
@@ -406,11 +471,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", type=Path, required=True, help="folder for eval.json, eval.md and acceptance.png")
     ev.add_argument("--data", type=Path, default=None, help="`dflash2 data` folder (held-out prompts, recall)")
     ev.add_argument("--sets", nargs="*", default=None, help="heldout humaneval math multiturn (default: all)")
-    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ev.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    ev.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures (default: %(default)s)"
+    )
+    ev.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="block sizes (default: %(default)s)")
     ev.add_argument("--num-prompts", type=int, default=16, help="prompts per set")
-    ev.add_argument("--num-recall-sequences", type=int, default=64)
-    ev.add_argument("--max-tokens", type=int, default=128)
+    ev.add_argument(
+        "--num-recall-sequences",
+        type=int,
+        default=64,
+        help="held-out conversations for Recall@k (default: %(default)s)",
+    )
+    ev.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default: %(default)s)")
     add_engine_args(ev)
     ev.set_defaults(func=_eval)
 
