@@ -28,6 +28,13 @@ logger = logging.getLogger(__name__)
 # Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
+
+def draft_vocab_indices(draft_vocab: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Positions of ``token_ids [...]`` in the sorted ``draft_vocab [Vd]``; ``-1`` where absent."""
+    index = torch.searchsorted(draft_vocab, token_ids.contiguous()).clamp(max=len(draft_vocab) - 1)
+    return torch.where(draft_vocab[index] == token_ids, index, -1)
+
+
 # Names used by other publishers for the same tensors (spec §1.3).
 _KEY_ALIASES = (
     ("encoder.fc.", "fc."),
@@ -270,10 +277,7 @@ class DFlashDrafter(nn.Module):
 
     def vocab_indices(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Map token ids to indices into the unary logits; ``-1`` for ids outside the draft vocabulary."""
-        if self.draft_vocab is None:
-            return token_ids
-        index = torch.searchsorted(self.draft_vocab, token_ids.contiguous()).clamp(max=len(self.draft_vocab) - 1)
-        return torch.where(self.draft_vocab[index] == token_ids, index, -1)
+        return token_ids if self.draft_vocab is None else draft_vocab_indices(self.draft_vocab, token_ids)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Training initialisation: normal(std) linears, unit norms, identity convs (spec §3.4)

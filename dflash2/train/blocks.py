@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash2.models.drafter import draft_vocab_indices
 from dflash2.selector import SelectorWeights
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -127,9 +128,9 @@ def block_losses(
     valid = weights > 0
     targets, learnable = labels, torch.ones_like(valid)  # targets index the logits' last dim
     if draft_vocab is not None:
-        index = torch.searchsorted(draft_vocab, labels.contiguous()).clamp(max=len(draft_vocab) - 1)
-        learnable = draft_vocab[index] == labels
-        targets = torch.where(learnable, index, 0)
+        index = draft_vocab_indices(draft_vocab, labels)
+        learnable = index >= 0
+        targets = index.clamp(min=0)
     ce_weights = weights * learnable
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(labels)
     candidates = logits.detach().topk(top_k, dim=-1).indices  # [n, J, k]
