@@ -217,6 +217,7 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         draft_vocab_size=args.draft_vocab_size,
         init_drafter=str(args.init_drafter) if args.init_drafter else None,
+        eval_every=args.eval_every,
     )
     mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
     layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
@@ -224,7 +225,7 @@ def _train(args: argparse.Namespace) -> int:
     features = load_or_extract(cache, target, dataset, layer_ids)
     trainer = Trainer(target, dataset, features, config, args.run_dir, mask_token_id)
     metrics = trainer.run(export_dir=args.out)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "top1_per_position"}))
+    print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, list)}))
     print(f"exported the drafter to {args.out}", file=sys.stderr)
     return 0
 
@@ -260,14 +261,18 @@ def _eval(args: argparse.Namespace) -> int:
                 )
                 results[f"{name}/{temperature:g}/{block_size}"] = r.to_dict()
                 print(f"{name:10s} T={temperature:g} B={block_size:2d}: tau {r.tau:.2f}", file=sys.stderr)
-    recall = None
+    recall, forced_tau = None, None
     dataset = TokenDataset.load(args.data / "dataset.safetensors") if args.data is not None else None
     if dataset is not None and dataset.indices(heldout=True):
         heldout = dataset.subset(dataset.indices(heldout=True)[: args.num_recall_sequences])
         features = extract_features(target, heldout, drafter.config.target_layer_ids)
-        recall = evaluate.recall_at_k(drafter, heldout, features, max_sequences=args.num_recall_sequences)
-    (args.out / "eval.json").write_text(json.dumps({"acceptance": results, "recall": recall}, indent=2) + "\n")
-    table = evaluate.markdown_table(results, recall)
+        forced = evaluate.teacher_forced(
+            drafter, heldout, features, max_sequences=args.num_recall_sequences, use_selector=engine_config.use_selector
+        )
+        recall, forced_tau = forced.recall, forced.tau
+    summary = {"acceptance": results, "recall": recall, "teacher_forced_tau": forced_tau}
+    (args.out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    table = evaluate.markdown_table(results, recall, forced_tau)
     (args.out / "eval.md").write_text(table)
     evaluate.plot_acceptance({k: v for k, v in results.items() if "/0/" in k}, recall, args.out / "acceptance.png")
     print(table)
@@ -463,6 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)"
+    )
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        default=100,
+        help="steps between held-out evaluations: teacher-forced τ and top-1, logged and plotted "
+        "(0 = never; default: %(default)s)",
     )
     add_engine_args(train)
     train.set_defaults(func=_train)

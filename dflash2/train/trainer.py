@@ -56,6 +56,8 @@ class TrainConfig:
         init_drafter: start from the weights (and draft vocabulary) of this exported drafter
             folder instead of a fresh initialisation, e.g. to continue training in a new run;
             its shape must match these settings.
+        eval_every: steps between held-out evaluations (teacher-forced τ and Recall@1 on up to
+            64 held-out conversations, logged as ``heldout_tau`` / ``heldout_top1``); 0 = never.
     """
 
     num_layers: int = 3
@@ -80,6 +82,11 @@ class TrainConfig:
     checkpoint_every: int = 50
     draft_vocab_size: int = 0
     init_drafter: str | None = None
+    eval_every: int = 100
+
+
+# Settings that may change when a run resumes (they do not change what is trained).
+RESUMABLE_CHANGES = {"steps", "time_budget", "checkpoint_every", "eval_every"}
 
 
 def draft_vocabulary(dataset: TokenDataset, indices: list[int], vocab_size: int, size: int) -> torch.Tensor:
@@ -166,6 +173,7 @@ class Trainer:
         self.target, self.dataset, self.features, self.config = target, dataset, features, config
         self.run_dir = run_dir
         self.train_ids = dataset.indices(heldout=False)
+        self.heldout_ids = dataset.indices(heldout=True)
         for p in target.parameters() if isinstance(target, torch.nn.Module) else []:
             p.requires_grad_(False)
         self.drafter = new_drafter(target, config, mask_token_id)
@@ -211,7 +219,7 @@ class Trainer:
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
         if state["config"] != asdict(self.config):
             changed = {k for k, v in asdict(self.config).items() if state["config"].get(k) != v}
-            if changed - {"steps", "time_budget", "checkpoint_every"}:
+            if changed - RESUMABLE_CHANGES:
                 raise ValueError(f"{self.checkpoint_path} was trained with other settings ({sorted(changed)})")
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -266,7 +274,7 @@ class Trainer:
             total += len(anchors)
         return picked
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the step's metrics."""
         self.drafter.train()
         for group in self.optimizer.param_groups:
@@ -277,11 +285,7 @@ class Trainer:
         selector = self.drafter.selector_weights()
         top_k = self.drafter.config.selector_top_k or 16
         self.optimizer.zero_grad(set_to_none=True)
-        autocast = torch.autocast(
-            self.features.device.type if self.features.device.type != "mps" else "cpu",
-            dtype=torch.bfloat16,
-            enabled=self.config.autocast_bf16,
-        )
+        autocast = self._autocast()
         for i, blocks in picked:
             a, b = int(self.dataset.offsets[i]), int(self.dataset.offsets[i + 1])
             with autocast:
@@ -315,17 +319,52 @@ class Trainer:
             "top1_per_position": (sums["top1"] / count).tolist(),
         }
 
-    def run(self, export_dir: Path | None = None) -> dict[str, float]:
+    def _autocast(self) -> torch.autocast:
+        device_type = self.features.device.type if self.features.device.type != "mps" else "cpu"
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.config.autocast_bf16)
+
+    def evaluate_heldout(self, max_sequences: int = 64) -> dict[str, Any]:
+        """Teacher-forced τ and Recall@1 (mean and per position) on the held-out conversations.
+
+        Returns:
+            ``{"heldout_tau", "heldout_top1", "heldout_top1_per_position"}``, or ``{}`` without
+            held-out conversations.
+        """
+        from dflash2.train.evaluate import teacher_forced
+
+        if not self.heldout_ids:
+            return {}
+        self.drafter.eval()
+        try:
+            with self._autocast():
+                forced = teacher_forced(
+                    self.drafter,
+                    self.dataset,
+                    self.features,
+                    ks=(1,),
+                    max_sequences=max_sequences,
+                    anchors_per_sequence=32,
+                    use_selector=self.config.use_selector,
+                )
+        finally:
+            self.drafter.train()
+        top1 = forced.recall[1]
+        return {"heldout_tau": forced.tau, "heldout_top1": sum(top1) / len(top1), "heldout_top1_per_position": top1}
+
+    def run(self, export_dir: Path | None = None) -> dict[str, Any]:
         """Train until ``steps`` or the time budget; checkpoint, log to ``log.jsonl``, export."""
         start = time.time()
-        last: dict[str, float] = {}
+        last: dict[str, Any] = {}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "train_config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
         log = (self.run_dir / "log.jsonl").open("a")
         bar = tqdm(total=self.config.steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
         try:
             while self.step < self.config.steps:
-                metrics = self.train_step()
+                metrics: dict[str, Any] = self.train_step()
+                every = self.config.eval_every
+                if every and (self.step % every == 0 or self.step == self.config.steps):
+                    metrics.update(self.evaluate_heldout())
                 metrics["elapsed"] = time.time() - start
                 log.write(json.dumps(metrics) + "\n")
                 log.flush()
@@ -360,7 +399,8 @@ def read_training_log(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_training_log(log_path: Path, png_path: Path, window: int = 20) -> None:
-    """PNG of the loss (unary CE and selector CE) and the top-1 / top-k recall per step.
+    """PNG of the loss (unary CE and selector CE), the top-1 / top-k recall per step and, when
+    logged, the held-out teacher-forced τ and top-1.
 
     Raw values are drawn faintly with a ``window``-step moving average on top.
     """
@@ -381,7 +421,9 @@ def plot_training_log(log_path: Path, png_path: Path, window: int = 20) -> None:
             out.append(total / min(i + 1, window))
         return out
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    heldout = [m for m in log if "heldout_tau" in m]
+    fig, axes = plt.subplots(1, 3 if heldout else 2, figsize=(16 if heldout else 11, 4))
+    left, right = axes[0], axes[1]
     for key, label in (("loss", "decay-weighted CE"), ("selector_loss", "selector CE")):
         values = [m[key] for m in log]
         (line,) = left.plot(steps, smooth(values), label=label)
@@ -393,8 +435,14 @@ def plot_training_log(log_path: Path, png_path: Path, window: int = 20) -> None:
         right.plot(steps, smooth([m[key] for m in log]), label=label)
     right.set_xlabel("step")
     right.set_ylim(0, 1)
-    right.set_title("Teacher-forced recall over drafted slots (training batches)")
+    if heldout:
+        right.plot([m["step"] for m in heldout], [m["heldout_top1"] for m in heldout], "o-", label="held-out top-1")
+    right.set_title("Teacher-forced recall over drafted slots")
     right.legend()
+    if heldout:
+        axes[2].plot([m["step"] for m in heldout], [m["heldout_tau"] for m in heldout], "o-")
+        axes[2].set_xlabel("step")
+        axes[2].set_title("Held-out teacher-forced τ (T = 0)")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ import torch
 from dflash2 import LLM, SamplingParams
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.train.data import TokenDataset
+from dflash2.train.evaluate import teacher_forced
 from dflash2.train.features import extract_features
 from dflash2.train.trainer import TrainConfig, Trainer
 from tests.tiny import tiny_engine, tiny_target
@@ -50,6 +51,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
         anchors_per_sequence=16,
         checkpoint_every=10,
         draft_vocab_size=draft_vocab_size,
+        eval_every=10,
     )
     trainer = Trainer(target, dataset, torch.empty(0), config, tmp_path / "run", mask_token_id=95)
     trainer.features = extract_features(target, dataset, trainer.drafter.config.target_layer_ids)
@@ -59,6 +61,8 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     last = sum(m["loss"] for m in log[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert log[-1]["top1"] > log[0]["top1"]
+    assert [m["step"] for m in log if "heldout_tau" in m] == [10, 20, 30]
+    assert 1.0 <= log[-1]["heldout_tau"] <= 4.0 and 0.0 <= log[-1]["heldout_top1"] <= 1.0
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     # The export is the published layout and drafts losslessly in the engine.
     drafter = DFlashDrafter.load(tmp_path / "drafter", torch.float32, "cpu")
@@ -72,6 +76,34 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     ar = LLM.from_engine(tiny_engine(target, None)).generate(prompts, params)
     spec = LLM.from_engine(tiny_engine(target, drafter.eval(), 4)).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in ar]
+    _teacher_forced_tau_matches_the_engine(target, drafter, dataset, trainer.features)
+
+
+def _teacher_forced_tau_matches_the_engine(target, drafter, dataset, features) -> None:
+    """The held-out teacher-forced τ equals the engine's first verify step from every anchor.
+
+    The responses are the target's greedy output, so prefilling the tokens before an anchor
+    makes the engine's first block exactly the teacher-forced block at that anchor.
+    """
+    block_size = drafter.config.block_size
+    forced = teacher_forced(drafter, dataset, features, anchors_per_sequence=10_000)
+    lengths = []
+    llm = LLM.from_engine(tiny_engine(target, drafter, block_size, max_num_seqs=1))
+    for i in dataset.indices(heldout=True):
+        ids, mask = dataset.sequence(i)
+        for anchor in range(len(ids) - block_size + 1):
+            if mask[anchor]:
+                steps = []
+                llm.generate(
+                    [ids[:anchor].tolist()],
+                    SamplingParams(max_tokens=2 * block_size, temperature=0.0, ignore_eos=True),
+                    on_step=lambda r, steps=steps: steps.extend(r.stats.acceptance_lengths),
+                )
+                lengths.append(steps[0])
+    assert forced.num_blocks == len(lengths)
+    assert forced.tau == pytest.approx(sum(lengths) / len(lengths))
+    assert 1.0 < forced.tau < block_size  # the check is not vacuous: some drafts accepted, some rejected
+    assert 0.0 < forced.recall[1][0] <= forced.recall[16][0] <= 1.0
 
 
 def _one_layer_config(**overrides) -> TrainConfig:
