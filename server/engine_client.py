@@ -35,12 +35,15 @@ _JOIN_TIMEOUT_SECONDS = 30.0
 
 @dataclass
 class RequestTimings:
-    """Monotonic timestamps of one engine request, for latency metrics.
+    """Monotonic timestamps and token counts of one engine request, for the per-request metrics.
 
-    ``scheduled`` is the start of the engine step that prefilled the request (its first output).
+    ``scheduled`` is the start of the engine step that prefilled the request (its first output);
+    ``num_prompt_tokens`` and ``max_tokens`` are what the request was submitted to the engine with.
     """
 
     arrival: float
+    num_prompt_tokens: int
+    max_tokens: int
     scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -57,6 +60,31 @@ class RequestTimings:
     def time_to_first_token(self) -> float | None:
         """Seconds from arrival to the first delivered token."""
         return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        """Seconds from the start of the prefill step to the first delivered token."""
+        if self.scheduled is None or self.first_token is None:
+            return None
+        return max(0.0, self.first_token - self.scheduled)
+
+    @property
+    def decode_time(self) -> float | None:
+        """Seconds from the first delivered token to the last."""
+        return None if self.first_token is None or self.last_token is None else self.last_token - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        """Seconds from the start of the prefill step to the last delivered token."""
+        if self.scheduled is None or self.last_token is None:
+            return None
+        return max(0.0, self.last_token - self.scheduled)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Decode seconds per output token after the first (None below two tokens)."""
+        decode_time = self.decode_time
+        return None if decode_time is None or self.num_output_tokens < 2 else decode_time / (self.num_output_tokens - 1)
 
     @property
     def e2e_latency(self) -> float | None:
@@ -96,9 +124,12 @@ class RequestGroup:
     the choices that have not finished.
     """
 
-    def __init__(self, client: EngineClient, num_choices: int) -> None:
+    def __init__(self, client: EngineClient, num_prompt_tokens: int, max_tokens: Sequence[int]) -> None:
+        """One choice per entry of ``max_tokens`` (each choice's limit as submitted to the engine)."""
+        num_choices = len(max_tokens)
+        arrival = time.monotonic()
         self.request_ids: list[str] = []
-        self.timings = [RequestTimings(arrival=time.monotonic()) for _ in range(num_choices)]
+        self.timings = [RequestTimings(arrival, num_prompt_tokens, limit) for limit in max_tokens]
         self._client = client
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | APIError] = asyncio.Queue()
         self._is_finished = [False] * num_choices
@@ -216,7 +247,7 @@ class EngineClient:
         engine = self.engine
         if engine is None:
             raise ServiceUnavailableError("the model is still loading")
-        group = RequestGroup(self, len(params))
+        group = RequestGroup(self, len(prompt_ids), [p.max_tokens for p in params])
         try:
             for index, choice_params in enumerate(params):
                 engine_id = engine.add_request(prompt_ids, choice_params, request_id=f"{request_id}-{index}")

@@ -12,7 +12,11 @@ Counting conventions (the traps other engines fell into, decided here):
   accepted (the accepted prefix, never a plain sum of an accept mask);
 * acceptance length includes the bonus token (τ = accepted drafts + 1 per verify step);
 * inter-token latency is observed once per delivery: a speculative step that commits several
-  tokens of a request counts as one interval.
+  tokens of a request counts as one interval;
+* the per-request size and phase histograms (prompt, generation and ``max_tokens`` tokens; decode
+  and inference time; time per output token) are observed once per finished request, whatever its
+  finish reason, so their counts match ``request_success``; queue and prefill time are observed at
+  the first token, like time to first token.
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
-# fmt: on
+# Time per output token: vLLM's inter-token buckets, plus finer ones below 10 ms for speculative decoding.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, *ITL_BUCKETS)
 TOKENS_PER_SECOND_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
+# Tokens per request (prompt, generation, max_tokens): vLLM's 1-2-5 ladder, cut at the model's maximum length
+# by token_count_buckets.
+TOKEN_COUNT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
+                       5e5, 1e6, 2e6, 5e6, 1e7)
+# Tokens per engine step: vLLM's powers of two (1, 8 … 16384), extended to a 128k-token prefill.
+ITERATION_TOKENS_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+                            32768.0, 65536.0, 131072.0)
+# fmt: on
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -64,8 +77,18 @@ class MetricSpec:
     vllm_names: tuple[str, ...] = ()
 
 
-def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
-    """The table of every metric this server exports (acceptance-length buckets are 1..B)."""
+def token_count_buckets(max_model_len: int | None) -> tuple[float, ...]:
+    """``TOKEN_COUNT_BUCKETS`` below ``max_model_len``, then ``max_model_len`` itself (so every request lands in
+    a finite bucket); the whole ladder when the length is unknown."""
+    if max_model_len is None:
+        return TOKEN_COUNT_BUCKETS
+    return (*(b for b in TOKEN_COUNT_BUCKETS if b < max_model_len), float(max_model_len))
+
+
+def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[MetricSpec, ...]:
+    """The table of every metric this server exports (acceptance-length buckets are 1..B; per-request token
+    buckets end at ``max_model_len``)."""
+    tokens = token_count_buckets(max_model_len)
     # fmt: off
     return (
         MetricSpec("spec_decode_num_drafts", "counter",
@@ -99,7 +122,7 @@ def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
         MetricSpec("inter_token_latency_seconds", "histogram",
                    "Seconds between successive output deliveries of a request; a speculative step that commits "
                    "several tokens counts once (see generation_tokens_per_second for the per-token rate).",
-                   buckets=ITL_BUCKETS, vllm_names=("inter_token_latency_seconds",)),
+                   buckets=ITL_BUCKETS, vllm_names=("inter_token_latency_seconds", "time_per_output_token_seconds")),
         MetricSpec("e2e_request_latency_seconds", "histogram", "Seconds from arrival to the end of a request.",
                    buckets=E2E_BUCKETS, vllm_names=("e2e_request_latency_seconds",)),
         MetricSpec("request_queue_time_seconds", "histogram",
@@ -108,6 +131,31 @@ def metric_specs(block_size: int) -> tuple[MetricSpec, ...]:
         MetricSpec("generation_tokens_per_second", "histogram",
                    "Per request: output tokens after the first, divided by the seconds from the first to the last "
                    "token (requests with at least two tokens).", buckets=TOKENS_PER_SECOND_BUCKETS),
+        MetricSpec("request_prefill_time_seconds", "histogram",
+                   "Seconds from the start of the engine step that prefilled a request to the delivery of its first "
+                   "output token.", buckets=TTFT_BUCKETS, vllm_names=("request_prefill_time_seconds",)),
+        MetricSpec("request_decode_time_seconds", "histogram",
+                   "Per finished request: seconds from the delivery of its first output token to the delivery of "
+                   "its last.", buckets=E2E_BUCKETS, vllm_names=("request_decode_time_seconds",)),
+        MetricSpec("request_inference_time_seconds", "histogram",
+                   "Per finished request: seconds from the start of the engine step that prefilled it to the "
+                   "delivery of its last output token (prefill + decode).", buckets=E2E_BUCKETS,
+                   vllm_names=("request_inference_time_seconds",)),
+        MetricSpec("request_time_per_output_token_seconds", "histogram",
+                   "Per finished request with at least two output tokens: decode seconds divided by (output "
+                   "tokens - 1).", buckets=TPOT_BUCKETS, vllm_names=("request_time_per_output_token_seconds",)),
+        MetricSpec("request_prompt_tokens", "histogram", "Per finished request: prompt tokens (count).",
+                   buckets=tokens, vllm_names=("request_prompt_tokens",)),
+        MetricSpec("request_generation_tokens", "histogram",
+                   "Per finished request: output tokens committed (count; per choice when n > 1).", buckets=tokens,
+                   vllm_names=("request_generation_tokens",)),
+        MetricSpec("request_params_max_tokens", "histogram",
+                   "Per finished request: the max_tokens limit the engine applied (count; the server's default "
+                   "when the client sent none).", buckets=tokens, vllm_names=("request_params_max_tokens",)),
+        MetricSpec("iteration_tokens_total", "histogram",
+                   "Per engine step that processed tokens: prompt tokens prefilled plus output tokens committed "
+                   "(count; rejected drafts not included).", buckets=ITERATION_TOKENS_BUCKETS,
+                   vllm_names=("iteration_tokens_total",)),
     )
     # fmt: on
 
@@ -164,9 +212,14 @@ class Metrics:
     """
 
     def __init__(
-        self, registry: CollectorRegistry, model_name: str, block_size: int, compat: str | None = None
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        block_size: int,
+        compat: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        specs = metric_specs(block_size)
+        specs = metric_specs(block_size, max_model_len)
         self.families = {spec.name: _Family(spec, registry, model_name, compat) for spec in specs}
         # Create the labelled children up front so every series is visible (at 0) from the start.
         for spec in specs:
@@ -178,7 +231,7 @@ class Metrics:
             self.families["request_success"].children(finished_reason=reason)
 
     def on_step(self, stats: StepStats) -> None:
-        """Counters, acceptance lengths and queue gauges from one engine step."""
+        """Counters, acceptance lengths, tokens per step and queue gauges from one engine step."""
         f = self.families
         f["spec_decode_num_drafts"].inc(stats.num_drafts)
         f["spec_decode_num_draft_tokens"].inc(stats.num_draft_tokens)
@@ -189,25 +242,38 @@ class Metrics:
             f["acceptance_length"].observe(length)
         f["prompt_tokens"].inc(stats.num_prefill_tokens)
         f["generation_tokens"].inc(stats.num_generated_tokens)
+        if stats.num_prefill_tokens + stats.num_generated_tokens:
+            f["iteration_tokens_total"].observe(stats.num_prefill_tokens + stats.num_generated_tokens)
         f["num_requests_running"].set(stats.num_running)
         f["num_requests_waiting"].set(stats.num_waiting)
         f["kv_cache_usage_perc"].set(stats.kv_cache_usage)
 
     def on_first_token(self, timings: RequestTimings) -> None:
-        """Time to first token and queue time of one request."""
+        """Time to first token, queue time and prefill time of one request."""
         if timings.time_to_first_token is not None:
             self.families["time_to_first_token_seconds"].observe(timings.time_to_first_token)
         if timings.queue_time is not None:
             self.families["request_queue_time_seconds"].observe(timings.queue_time)
+        if timings.prefill_time is not None:
+            self.families["request_prefill_time_seconds"].observe(timings.prefill_time)
 
     def on_delivery(self, interval: float) -> None:
         """One inter-token interval (a delivery after the first)."""
         self.families["inter_token_latency_seconds"].observe(interval)
 
     def on_request_finished(self, timings: RequestTimings) -> None:
-        """Outcome, end-to-end latency and per-request token rate."""
-        self.families["request_success"].inc(1, finished_reason=timings.finish_reason or "error")
-        if timings.e2e_latency is not None:
-            self.families["e2e_request_latency_seconds"].observe(timings.e2e_latency)
-        if timings.tokens_per_second is not None:
-            self.families["generation_tokens_per_second"].observe(timings.tokens_per_second)
+        """Outcome, end-to-end latency, token counts, decode / inference time and per-request token rates."""
+        f = self.families
+        f["request_success"].inc(1, finished_reason=timings.finish_reason or "error")
+        f["request_prompt_tokens"].observe(timings.num_prompt_tokens)
+        f["request_generation_tokens"].observe(timings.num_output_tokens)
+        f["request_params_max_tokens"].observe(timings.max_tokens)
+        for name, observed in (
+            ("e2e_request_latency_seconds", timings.e2e_latency),
+            ("request_decode_time_seconds", timings.decode_time),
+            ("request_inference_time_seconds", timings.inference_time),
+            ("request_time_per_output_token_seconds", timings.time_per_output_token),
+            ("generation_tokens_per_second", timings.tokens_per_second),
+        ):
+            if observed is not None:
+                f[name].observe(observed)

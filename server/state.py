@@ -45,7 +45,9 @@ class ServerState:
     def on_engine_loaded(self, engine: Engine) -> None:
         """Build metrics and the serving layer for the loaded model; from here on the server is ready."""
         model = ModelInfo.from_engine(engine, self.settings.served_model_name)
-        self.metrics = Metrics(self.registry, model.name, engine.block_size, self.settings.metrics_compat)
+        self.metrics = Metrics(
+            self.registry, model.name, engine.block_size, self.settings.metrics_compat, model.max_model_len
+        )
         self.client.observer = self.metrics
         self.serving = OpenAIServing(self.client, model, self.admission)
         logger.info("serving %s (block size %d, max_model_len %d)", model.name, engine.block_size, model.max_model_len)

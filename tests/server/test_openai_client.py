@@ -177,9 +177,25 @@ def test_metrics_carry_every_metric_and_move(client, real_server):
         "e2e_request_latency_seconds_count",
         "request_queue_time_seconds_count",
         "inter_token_latency_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count",
+        "request_time_per_output_token_seconds_count",
+        "request_prompt_tokens_count",
+        "request_generation_tokens_count",
+        "request_params_max_tokens_count",
+        "iteration_tokens_total_count",
     ):
         key = (f"dflash2_{name}", label)
         assert after[key] > before.get(key, 0), name
+
+    def delta(name: str) -> float:
+        return after[(f"dflash2_{name}", label)] - before.get((f"dflash2_{name}", label), 0)
+
+    assert delta("request_params_max_tokens_sum") == 4
+    assert delta("request_prompt_tokens_sum") == delta("prompt_tokens_total")
+    assert delta("request_generation_tokens_sum") == delta("generation_tokens_total")
+    assert delta("iteration_tokens_total_sum") == delta("prompt_tokens_total") + delta("generation_tokens_total")
     assert after[("dflash2_spec_decode_num_accepted_tokens_total", label)] >= 0
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert after[(f"dflash2_{gauge}", label)] == 0, gauge
