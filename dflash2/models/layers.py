@@ -93,6 +93,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# Up to this many queries per row, grouped-query attention folds query groups (see attention).
+FOLD_MAX_QUERIES = 64
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked grouped-query attention.
 
@@ -103,9 +107,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         ``[R, L, nh·d]``.
     """
     num_rows, num_heads, num_queries, head_dim = q.shape
-    # enable_gqa shares each K/V head with its query group without materialising copies
-    # (repeat_interleave made decode at batch 32 ~15x slower on CPU).
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != num_heads)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    if group > 1 and num_queries <= FOLD_MAX_QUERIES and mask.shape[1] == 1:
+        # Few queries (decode, verify, drafting): fold each K/V head's query group into the query
+        # axis, [R, nh, L, d] → [R, nkv, g·L, d] (query head h uses K/V head h // g), and run plain
+        # attention. On CPU this is ~5x faster than enable_gqa for batched bfloat16 decode.
+        folded = q.reshape(num_rows, num_kv_heads, group * num_queries, head_dim)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, group, 1))
+        out = out.view(num_rows, num_heads, num_queries, head_dim)
+    else:
+        # enable_gqa shares each K/V head with its query group without materialising copies
+        # (repeat_interleave made decode at batch 32 ~15x slower on CPU).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
     return out.transpose(1, 2).reshape(num_rows, num_queries, num_heads * head_dim)
 
 
