@@ -258,7 +258,9 @@ class Engine:
         admitted = self.scheduler.admit()
         if admitted:
             outputs += self._prefill(admitted, stats)
-        rows = [r for r in self.scheduler.running if not r.is_finished]
+        # Rows in slot order: when the running slots are contiguous (a full batch), the KV cache
+        # reads are views instead of gathers.
+        rows = sorted((r for r in self.scheduler.running if not r.is_finished), key=self._slot)
         if rows:
             if self.is_speculative:
                 hidden, draft_logits = self._draft(rows, stats)
