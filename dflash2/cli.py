@@ -231,6 +231,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from dflash2.engine import default_drafter_path
     from dflash2.models import loader
     from dflash2.train import evaluate
     from dflash2.train.data import TokenDataset
@@ -238,7 +239,11 @@ def _eval(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     folder, tokenizer, target = _load_target(engine_config)
-    drafter = loader.load_drafter(Path(args.drafter), target, engine_config.torch_dtype, engine_config.torch_device)
+    drafter_path = args.drafter or (default_drafter_path() if engine_config.model is None else None)
+    if drafter_path is None:
+        print("error: dflash2 eval needs --drafter for a model other than the embedded default", file=sys.stderr)
+        return 2
+    drafter = loader.load_drafter(Path(drafter_path), target, engine_config.torch_dtype, engine_config.torch_device)
     eos = loader.eos_token_ids(folder, tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     sets = evaluate.load_prompt_sets(args.data, args.num_prompts)

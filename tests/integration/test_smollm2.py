@@ -117,3 +117,14 @@ def test_streamed_text_concatenates_to_full_text(model, prompts, reference):
 def test_eos_from_generation_config(model):
     _folder, tokenizer, _, eos = model
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+
+
+def test_eval_uses_the_shipped_drafter_by_default(tmp_path):
+    from dflash2.cli import main
+
+    args = ["eval", "--sets", "math", "--temperatures", "0", "--block-sizes", "8", "--num-prompts", "1"]
+    assert main([*args, "--max-tokens", "16", "--dtype", "float32", "--threads", "2", "--out", str(tmp_path)]) == 0
+    assert "| math | 0 | 8 |" in (tmp_path / "eval.md").read_text()
+    # Another target has no shipped drafter: a clear error, not a crash.
+    other = ["--model", str(source.resolve_model(None)), "--out", str(tmp_path / "other")]
+    assert main([*args, *other]) == 2
