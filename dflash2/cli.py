@@ -231,7 +231,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash2.engine import default_drafter_path
+    from dflash2.engine import resolve_drafter_path
     from dflash2.models import loader
     from dflash2.train import evaluate
     from dflash2.train.data import TokenDataset
@@ -239,7 +239,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     folder, tokenizer, target = _load_target(engine_config)
-    drafter_path = args.drafter or (default_drafter_path() if engine_config.model is None else None)
+    drafter_path = resolve_drafter_path(engine_config)
     if drafter_path is None:
         print("error: dflash2 eval needs --drafter for a model other than the embedded default", file=sys.stderr)
         return 2

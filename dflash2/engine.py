@@ -25,7 +25,7 @@ import torch
 from dflash2.config import EngineConfig
 from dflash2.models.base import Target
 from dflash2.models.batch import ForwardBatch
-from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.request import (
     FinishReason,
     Request,
@@ -37,12 +37,10 @@ from dflash2.request import (
 )
 from dflash2.sampling import LogitsContext, SamplingParams, sample_from_probs, target_probs
 from dflash2.scheduler import Scheduler
-from dflash2.selector import Proposal, lattice_scores, topk_candidates, walk
+from dflash2.selector import Proposal
 from dflash2.verify import rejection_accept
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TOP_K = 16  # candidates per slot for drafters without a selector
 
 
 class ContextLengthExceededError(ValueError):
@@ -97,9 +95,7 @@ class Engine:
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
         )
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter and self.is_speculative else ()
-        self.num_candidates = (drafter.config.selector_top_k if drafter and drafter.config.has_selector else 0) or (
-            DEFAULT_TOP_K
-        )
+        self.num_candidates = drafter.num_candidates if drafter is not None else DEFAULT_TOP_K
         self.target_cache = target.new_cache(config.max_num_seqs, self.max_model_len)
         self.draft_cache = (
             drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.fc.weight.dtype, self.device)
@@ -132,7 +128,7 @@ class Engine:
         tokenizer = loader.load_tokenizer(folder)
         target = loader.load_target(folder, dtype, device)
         drafter = None
-        drafter_path = config.drafter or (default_drafter_path() if config.model is None else None)
+        drafter_path = resolve_drafter_path(config)
         if config.block_size != 1:
             if drafter_path is not None:
                 drafter = loader.load_drafter(Path(drafter_path), target, dtype, device)
@@ -375,13 +371,11 @@ class Engine:
         start = time.perf_counter()
         assert self.drafter is not None
         anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
-        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
-        candidate_ids = self.drafter.token_ids(candidate_ids)  # draft-vocabulary indices → token ids
-        weights = self.drafter.selector_weights() if self.config.use_selector else None
-        lattice = lattice_scores(hidden, anchors, candidate_ids, unary, weights) if weights is not None else None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
         uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
-        proposal = walk(candidate_ids, unary, lattice, temperatures, uniforms)
+        proposal = self.drafter.propose(
+            hidden, logits, anchors, self.num_candidates, temperatures, uniforms, self.config.use_selector
+        )
         stats.select_time += time.perf_counter() - start
         return proposal
 
@@ -575,6 +569,12 @@ def default_drafter_path() -> Path | None:
     """The drafter shipped for the embedded default model, if this installation has one."""
     path = Path(__file__).parent / "assets" / "smollm2-135m-dflash2"
     return path if (path / "config.json").is_file() else None
+
+
+def resolve_drafter_path(config: EngineConfig) -> str | Path | None:
+    """The drafter folder a config asks for: ``config.drafter``, else the shipped one for the
+    embedded default model, else None."""
+    return config.drafter or (default_drafter_path() if config.model is None else None)
 
 
 def untrained_default_drafter(target: Target, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:

@@ -21,9 +21,12 @@ from torch import nn
 from dflash2.config import DrafterConfig
 from dflash2.kv_cache import KVCache
 from dflash2.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention, softcap
-from dflash2.selector import SelectorWeights
+from dflash2.selector import Proposal, SelectorWeights, lattice_scores, topk_candidates, walk
 
 logger = logging.getLogger(__name__)
+
+# Candidates per slot for drafters without a selector (top-k of the unary logits).
+DEFAULT_TOP_K = 16
 
 # Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -424,6 +427,40 @@ class DFlashDrafter(nn.Module):
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         return softcap(logits, self.config.final_logit_softcapping)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per slot the walk chooses from: the selector's top-k, else ``DEFAULT_TOP_K``."""
+        return (self.config.selector_top_k if self.config.has_selector else 0) or DEFAULT_TOP_K
+
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        num_candidates: int,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+        use_selector: bool = True,
+    ) -> Proposal:
+        """The drafted path of each row: top-k candidates per slot, the DFlash 2 lattice when
+        the drafter has a selector and ``use_selector``, then the walk (spec §4).
+
+        Args:
+            hidden: ``[R, J, H]`` final-normed hidden states of the drafted slots.
+            logits: ``[R, J, V or Vd]`` their unary logits (:meth:`logits`).
+            anchor_ids: ``[R]`` the anchor token of each row.
+            num_candidates: candidates per slot (k; the engine uses :attr:`num_candidates`).
+            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
+
+        Returns:
+            The :class:`~dflash2.selector.Proposal`, candidates as token ids.
+        """
+        candidate_ids, unary = topk_candidates(logits, num_candidates)
+        candidate_ids = self.token_ids(candidate_ids)  # draft-vocabulary indices → token ids
+        weights = self.selector_weights() if use_selector else None
+        lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
+        return walk(candidate_ids, unary, lattice, temperatures, uniforms)
 
     def selector_weights(self) -> SelectorWeights | None:
         """Selector tensors, or None for a drafter without a selector."""

@@ -109,12 +109,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     num_rows, num_heads, num_queries, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if group > 1 and num_queries <= FOLD_MAX_QUERIES and mask.shape[1] == 1:
+    if num_queries <= FOLD_MAX_QUERIES:
         # Few queries (decode, verify, drafting): fold each K/V head's query group into the query
         # axis, [R, nh, L, d] → [R, nkv, g·L, d] (query head h uses K/V head h // g), and run plain
         # attention. On CPU this is ~5x faster than enable_gqa for batched bfloat16 decode.
         folded = q.reshape(num_rows, num_kv_heads, group * num_queries, head_dim)
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, group, 1))
+        # The mask repeated per group member (a view when L = 1).
+        folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask)
         out = out.view(num_rows, num_heads, num_queries, head_dim)
     else:
         # enable_gqa shares each K/V head with its query group without materialising copies

@@ -28,7 +28,6 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.request import StepResult, mean_acceptance_length
 from dflash2.sampling import SamplingParams
-from dflash2.selector import lattice_scores, topk_candidates, walk
 from dflash2.train.blocks import make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
 
@@ -199,9 +198,6 @@ def teacher_forced(
     count = torch.zeros(num_slots)
     accepted, num_blocks = 0, 0
     generator = torch.Generator().manual_seed(0)
-    weights = drafter.selector_weights() if use_selector else None
-    width = c.selector_top_k if weights is not None else 1  # candidates the greedy walk chooses from
-    top_k = max(*ks, width)
     for i in dataset.indices(heldout=True)[:max_sequences]:
         ids, mask = dataset.sequence(i)
         anchors = sample_anchors(mask, c.block_size, anchors_per_sequence, generator)
@@ -212,21 +208,16 @@ def teacher_forced(
         features_i = features[a:b].to(drafter.fc.weight.device, drafter.fc.weight.dtype)
         hidden = drafter.forward_blocks(features_i, blocks.block_ids, blocks.anchors)[:, 1:]
         logits = drafter.logits(hidden)
-        candidates, unary = topk_candidates(logits, top_k)
-        ranked = drafter.token_ids(candidates)  # [n, J, top_k]
+        ranked = drafter.token_ids(logits.topk(max(ks), dim=-1).indices)  # [n, J, kmax]
         labels, valid = blocks.labels[:, 1:], blocks.weights[:, 1:] > 0
         count += valid.sum(0)
         for k in ks:
             hits[k] += ((ranked[..., :k] == labels[..., None]).any(-1) & valid).sum(0)
         n = len(anchors)
-        lattice = (
-            lattice_scores(hidden, blocks.block_ids[:, 0], ranked[..., :width], unary[..., :width], weights)
-            if weights is not None
-            else None
-        )
-        greedy = torch.zeros(n)
-        path = walk(ranked[..., :width], unary[..., :width], lattice, greedy, torch.zeros(n, num_slots)).draft_ids
-        correct = (path == labels) & valid
+        greedy, uniforms = torch.zeros(n), torch.zeros(n, num_slots)
+        anchor_ids = blocks.block_ids[:, 0]
+        path = drafter.propose(hidden, logits, anchor_ids, drafter.num_candidates, greedy, uniforms, use_selector)
+        correct = (path.draft_ids == labels) & valid
         accepted += int(correct.long().cumprod(dim=1).sum())
         num_blocks += n
     recall = {k: (hits[k] / count.clamp(min=1)).tolist() for k in ks}

@@ -173,7 +173,6 @@ class Trainer:
         self.target, self.dataset, self.features, self.config = target, dataset, features, config
         self.run_dir = run_dir
         self.train_ids = dataset.indices(heldout=False)
-        self.heldout_ids = dataset.indices(heldout=True)
         for p in target.parameters() if isinstance(target, torch.nn.Module) else []:
             p.requires_grad_(False)
         self.drafter = new_drafter(target, config, mask_token_id)
@@ -332,8 +331,6 @@ class Trainer:
         """
         from dflash2.train.evaluate import teacher_forced
 
-        if not self.heldout_ids:
-            return {}
         self.drafter.eval()
         try:
             with self._autocast():
@@ -348,6 +345,8 @@ class Trainer:
                 )
         finally:
             self.drafter.train()
+        if forced.num_blocks == 0:
+            return {}
         top1 = forced.recall[1]
         return {"heldout_tau": forced.tau, "heldout_top1": sum(top1) / len(top1), "heldout_top1_per_position": top1}
 
@@ -361,7 +360,7 @@ class Trainer:
         bar = tqdm(total=self.config.steps, initial=self.step, desc="training", unit="step", dynamic_ncols=True)
         try:
             while self.step < self.config.steps:
-                metrics: dict[str, Any] = self.train_step()
+                metrics = self.train_step()
                 every = self.config.eval_every
                 if every and (self.step % every == 0 or self.step == self.config.steps):
                     metrics.update(self.evaluate_heldout())
