@@ -54,31 +54,32 @@ class RequestTimings:
     @property
     def queue_time(self) -> float | None:
         """Seconds waited before the prefill step began."""
-        return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
+        return _interval(self.arrival, self.scheduled)
 
     @property
     def time_to_first_token(self) -> float | None:
         """Seconds from arrival to the first delivered token."""
-        return None if self.first_token is None else self.first_token - self.arrival
+        return _interval(self.arrival, self.first_token)
 
     @property
     def prefill_time(self) -> float | None:
         """Seconds from the start of the prefill step to the first delivered token."""
-        if self.scheduled is None or self.first_token is None:
-            return None
-        return max(0.0, self.first_token - self.scheduled)
+        return _interval(self.scheduled, self.first_token)
 
     @property
     def decode_time(self) -> float | None:
         """Seconds from the first delivered token to the last."""
-        return None if self.first_token is None or self.last_token is None else self.last_token - self.first_token
+        return _interval(self.first_token, self.last_token)
 
     @property
     def inference_time(self) -> float | None:
         """Seconds from the start of the prefill step to the last delivered token."""
-        if self.scheduled is None or self.last_token is None:
-            return None
-        return max(0.0, self.last_token - self.scheduled)
+        return _interval(self.scheduled, self.last_token)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to the end."""
+        return _interval(self.arrival, self.finished)
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -87,17 +88,15 @@ class RequestTimings:
         return None if decode_time is None or self.num_output_tokens < 2 else decode_time / (self.num_output_tokens - 1)
 
     @property
-    def e2e_latency(self) -> float | None:
-        """Seconds from arrival to the end."""
-        return None if self.finished is None else self.finished - self.arrival
-
-    @property
     def tokens_per_second(self) -> float | None:
-        """Output tokens after the first per second of decoding (None below two tokens)."""
-        if self.first_token is None or self.last_token is None or self.num_output_tokens < 2:
-            return None
-        elapsed = self.last_token - self.first_token
-        return (self.num_output_tokens - 1) / elapsed if elapsed > 0 else None
+        """Output tokens after the first per second of decoding (None below two tokens or no time)."""
+        per_token = self.time_per_output_token
+        return 1.0 / per_token if per_token else None
+
+
+def _interval(start: float | None, end: float | None) -> float | None:
+    """Seconds from ``start`` to ``end`` (monotonic timestamps; never negative), None if either is unknown."""
+    return None if start is None or end is None else max(0.0, end - start)
 
 
 class EngineObserver(Protocol):
