@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -48,17 +49,46 @@ def extract_features(
     return out
 
 
+def tokens_digest(dataset: TokenDataset, num_tokens: int) -> str:
+    """SHA-256 of the first ``num_tokens`` token ids, the key that ties a feature cache to its data."""
+    return hashlib.sha256(dataset.tokens[:num_tokens].to(torch.int32).numpy().tobytes()).hexdigest()
+
+
 def load_or_extract(path: Path, target: Target, dataset: TokenDataset, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Cached features at ``path`` if they match ``layer_ids`` and the dataset size, else extract and save."""
+    """Features of ``dataset`` at ``layer_ids``, cached in ``path`` (safetensors).
+
+    A cache for the same layers and token ids is loaded as is. A cache for a prefix of the
+    conversations (a data set grown by ``dflash2 data`` with more prompts) is extended: only the
+    new conversations run through the target. Anything else is extracted again.
+    """
     key = ",".join(map(str, layer_ids))
+    total = int(dataset.offsets[-1])
     if path.is_file():
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             num_tokens = f.get_slice("features").get_shape()[0]
-        if metadata.get("layer_ids") == key and num_tokens == int(dataset.offsets[-1]):
+        boundaries = dataset.offsets.tolist()
+        same_prefix = (
+            metadata.get("layer_ids") == key
+            and num_tokens in boundaries
+            and metadata.get("tokens_sha256") == tokens_digest(dataset, num_tokens)
+        )
+        if same_prefix and num_tokens == total:
             return load_file(str(path))["features"]
-        logger.warning("cached features at %s do not match; extracting again", path)
+        if same_prefix:
+            first_new = boundaries.index(num_tokens)
+            logger.info("extending cached features at %s from %d to %d conversations", path, first_new, len(dataset))
+            new = extract_features(target, dataset.subset(list(range(first_new, len(dataset)))), layer_ids)
+            features = torch.cat([load_file(str(path))["features"], new])
+            _save(path, features, key, dataset)
+            return features
+        logger.warning("cached features at %s do not match the data set; extracting again", path)
     features = extract_features(target, dataset, layer_ids)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"features": features}, str(path), metadata={"layer_ids": key})
+    _save(path, features, key, dataset)
     return features
+
+
+def _save(path: Path, features: torch.Tensor, key: str, dataset: TokenDataset) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"layer_ids": key, "tokens_sha256": tokens_digest(dataset, len(features))}
+    save_file({"features": features}, str(path), metadata=metadata)

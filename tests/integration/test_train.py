@@ -143,3 +143,36 @@ def test_a_new_run_can_start_from_an_exported_drafter(tmp_path):
     wider = TrainConfig(**{**second_config.__dict__, "num_layers": 2})
     with pytest.raises(ValueError, match="another drafter shape"):
         Trainer(target, dataset, features, wider, tmp_path / "third", 95)
+
+
+def test_feature_cache_is_reused_extended_for_new_conversations_and_rebuilt_for_changed_ones(tmp_path, monkeypatch):
+    from dflash2.train import features as features_module
+
+    target = tiny_target(vocab_size=96, seed=2)
+    dataset = _dataset(target)
+    path = tmp_path / "features.safetensors"
+    extracted: list[int] = []  # conversations sent through the target, per extraction
+    real_extract = features_module.extract_features
+
+    def counting_extract(target, data, layer_ids):
+        extracted.append(len(data))
+        return real_extract(target, data, layer_ids)
+
+    monkeypatch.setattr(features_module, "extract_features", counting_extract)
+    expected = real_extract(target, dataset, (2,))
+
+    features_module.load_or_extract(path, target, dataset.subset(list(range(16))), (2,))
+    grown = features_module.load_or_extract(path, target, dataset, (2,))
+    assert extracted == [16, len(dataset) - 16]
+    torch.testing.assert_close(grown, expected, atol=1e-3, rtol=0)
+
+    again = features_module.load_or_extract(path, target, dataset, (2,))
+    assert extracted == [16, len(dataset) - 16]
+    assert torch.equal(again, grown)
+
+    changed = dataset.subset(list(range(len(dataset))))
+    changed.tokens[3] = (changed.tokens[3] + 1) % 90
+    features_module.load_or_extract(path, target, changed, (2,))
+    assert extracted[-1] == len(dataset)
+    features_module.load_or_extract(path, target, changed, (1,))
+    assert extracted[-1] == len(dataset) and len(extracted) == 4
