@@ -259,8 +259,9 @@ class Engine:
         rows = sorted((r for r in self.scheduler.running if not r.is_finished), key=self._slot)
         if rows:
             if self.is_speculative:
-                hidden, draft_logits = self._draft(rows, stats)
-                proposal = self._select(rows, hidden, draft_logits, stats)
+                anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
+                hidden, draft_logits = self._draft(rows, anchors, stats)
+                proposal = self._select(rows, anchors, hidden, draft_logits, stats)
             else:
                 proposal = self._no_proposal(len(rows))
             verified = self._verify(rows, proposal, self._num_drafts(rows), stats)
@@ -354,11 +355,10 @@ class Engine:
         limit = self.block_size - 1
         return [max(0, min(limit, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
 
-    def _draft(self, rows: list[Request], stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE drafter forward for all rows: hidden ``[R, J, H]`` and unary logits ``[R, J, V]``."""
+    def _draft(self, rows: list[Request], anchors: torch.Tensor, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE drafter forward for all rows from ``anchors [R]``: hidden ``[R, J, H]``, unary logits ``[R, J, V]``."""
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
-        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
         slots = [self._slot(r) for r in rows]
         hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchors, starts, self.block_size)[:, 1:]
@@ -366,11 +366,12 @@ class Engine:
         stats.draft_time += time.perf_counter() - start
         return hidden, logits
 
-    def _select(self, rows: list[Request], hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats) -> Proposal:
+    def _select(
+        self, rows: list[Request], anchors: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats
+    ) -> Proposal:
         """Top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk."""
         start = time.perf_counter()
         assert self.drafter is not None
-        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
         uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
         proposal = self.drafter.propose(

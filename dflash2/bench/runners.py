@@ -91,15 +91,17 @@ class CudaTimedEngine(Engine):
     anyway). On CPU the plain ``Engine`` is used.
     """
 
-    def _draft(self, rows: list[Request], stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super()._draft(rows, stats)
+    def _draft(self, rows: list[Request], anchors: torch.Tensor, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super()._draft(rows, anchors, stats)
         start = time.perf_counter()
         synchronize(self.device)
         stats.draft_time += time.perf_counter() - start
         return out
 
-    def _select(self, rows: list[Request], hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats) -> Any:
-        out = super()._select(rows, hidden, logits, stats)
+    def _select(
+        self, rows: list[Request], anchors: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats
+    ) -> Any:
+        out = super()._select(rows, anchors, hidden, logits, stats)
         start = time.perf_counter()
         synchronize(self.device)
         stats.select_time += time.perf_counter() - start

@@ -77,6 +77,34 @@ def test_engine_runner_counts_verify_steps_and_the_cost_split(tiny_folders: Tiny
     assert info["block_size"] == 4 and info["has_conv"] and info["drafter"] == str(tiny_folders.drafter)
 
 
+def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders: TinyFolders) -> None:
+    """The synchronizing subclass (used on CUDA) runs on CPU too: same tokens, same phases timed."""
+    from dflash2.bench.runners import CudaTimedEngine
+    from dflash2.engine import Engine
+    from dflash2.sampling import SamplingParams
+
+    config = EngineConfig(
+        model=str(tiny_folders.model), drafter=str(tiny_folders.drafter), block_size=4, device="cpu", dtype="float32"
+    )
+    prompt = _prompt(tiny_folders.model)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for cls in (Engine, CudaTimedEngine):
+        engine = cls.from_config(config)
+        engine.add_request(prompt, params)
+        tokens, times = [], [0.0, 0.0, 0.0]
+        while engine.has_unfinished_requests():
+            result = engine.step()
+            tokens += [t for o in result.outputs for t in o.new_token_ids]
+            times = [
+                a + b
+                for a, b in zip(times, (result.stats.draft_time, result.stats.select_time, result.stats.verify_time))
+            ]
+        outputs[cls] = tokens
+        assert all(t > 0 for t in times)
+    assert len(outputs[Engine]) == 12 and outputs[CudaTimedEngine] == outputs[Engine]
+
+
 def test_conv_probe_times_both_variants_and_leaves_the_drafter_intact(tiny_folders: TinyFolders) -> None:
     runner = _engine_runner(tiny_folders, 4)
     drafter = runner.engine.drafter
