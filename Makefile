@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dflash2-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# Threads per test process; TEST_THREADS=1 when other work shares the cores.
+TEST_THREADS ?= 2
 
 .PHONY: install test lint format generate serve clean
 
@@ -20,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check dflash2 server tests

@@ -62,7 +62,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="draft with unary scores only (DFlash 2 selector off)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="requests decoded together")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_DEFAULTS.max_num_seqs,
+        help="requests decoded together (default: %(default)s)",
+    )
     g.add_argument(
         "--max-model-len",
         type=int,
