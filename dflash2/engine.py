@@ -95,7 +95,6 @@ class Engine:
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
         )
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter and self.is_speculative else ()
-        self.num_candidates = drafter.num_candidates if drafter is not None else DEFAULT_TOP_K
         self.target_cache = target.new_cache(config.max_num_seqs, self.max_model_len)
         self.draft_cache = (
             drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.fc.weight.dtype, self.device)
@@ -274,6 +273,11 @@ class Engine:
         return StepResult(outputs, stats)
 
     @property
+    def num_candidates(self) -> int:
+        """Candidates per slot the drafted path is chosen from (the drafter's; spec §4)."""
+        return self.drafter.num_candidates if self.drafter is not None else DEFAULT_TOP_K
+
+    @property
     def kv_cache_usage(self) -> float:
         """Fraction (0–1) of target KV positions holding committed tokens."""
         lengths = self.target_cache.lengths
@@ -374,9 +378,7 @@ class Engine:
         assert self.drafter is not None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
         uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
-        proposal = self.drafter.propose(
-            hidden, logits, anchors, self.num_candidates, temperatures, uniforms, self.config.use_selector
-        )
+        proposal = self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
         stats.select_time += time.perf_counter() - start
         return proposal
 

@@ -438,25 +438,24 @@ class DFlashDrafter(nn.Module):
         hidden: torch.Tensor,
         logits: torch.Tensor,
         anchor_ids: torch.Tensor,
-        num_candidates: int,
         temperatures: torch.Tensor,
         uniforms: torch.Tensor,
         use_selector: bool = True,
     ) -> Proposal:
-        """The drafted path of each row: top-k candidates per slot, the DFlash 2 lattice when
-        the drafter has a selector and ``use_selector``, then the walk (spec §4).
+        """The drafted path of each row: top-k candidates per slot (k = :attr:`num_candidates`),
+        the DFlash 2 lattice when the drafter has a selector and ``use_selector``, then the walk
+        (spec §4).
 
         Args:
             hidden: ``[R, J, H]`` final-normed hidden states of the drafted slots.
             logits: ``[R, J, V or Vd]`` their unary logits (:meth:`logits`).
             anchor_ids: ``[R]`` the anchor token of each row.
-            num_candidates: candidates per slot (k; the engine uses :attr:`num_candidates`).
             temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
 
         Returns:
             The :class:`~dflash2.selector.Proposal`, candidates as token ids.
         """
-        candidate_ids, unary = topk_candidates(logits, num_candidates)
+        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
         candidate_ids = self.token_ids(candidate_ids)  # draft-vocabulary indices → token ids
         weights = self.selector_weights() if use_selector else None
         lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None

@@ -216,7 +216,7 @@ def teacher_forced(
         n = len(anchors)
         greedy, uniforms = torch.zeros(n), torch.zeros(n, num_slots)
         anchor_ids = blocks.block_ids[:, 0]
-        path = drafter.propose(hidden, logits, anchor_ids, drafter.num_candidates, greedy, uniforms, use_selector)
+        path = drafter.propose(hidden, logits, anchor_ids, greedy, uniforms, use_selector)
         correct = (path.draft_ids == labels) & valid
         accepted += int(correct.long().cumprod(dim=1).sum())
         num_blocks += n
