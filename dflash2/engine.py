@@ -26,6 +26,7 @@ from dflash2.config import EngineConfig
 from dflash2.models.base import Target
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
+from dflash2.models.layers import can_prepack
 from dflash2.request import (
     FinishReason,
     Request,
@@ -91,13 +92,16 @@ class Engine:
         self.device: torch.device = embed_weight.device
         self.vocab_size = int(embed_weight.shape[0])
         self.block_size = self._resolve_block_size()
+        if can_prepack(self.device, embed_weight.dtype):
+            packed = target.prepack() + (drafter.prepack() if drafter is not None else 0)
+            logger.info("pre-packed %d linear layers for oneDNN (CPU, bfloat16)", packed)
         self.max_model_len = config.max_model_len or min(
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
         )
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter and self.is_speculative else ()
         self.target_cache = target.new_cache(config.max_num_seqs, self.max_model_len)
         self.draft_cache = (
-            drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.fc.weight.dtype, self.device)
+            drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.dtype, self.device)
             if drafter is not None and self.is_speculative
             else None
         )

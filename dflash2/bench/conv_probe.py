@@ -41,7 +41,7 @@ def convs_disabled(drafter: DFlashDrafter) -> Iterator[None]:
 
 
 def _timed(call: Callable[[], Any], drafter: DFlashDrafter) -> float:
-    device = drafter.fc.weight.device
+    device = drafter.device
     synchronize(device)
     start = time.perf_counter()
     call()

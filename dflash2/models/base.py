@@ -43,6 +43,10 @@ class Target(Protocol):
         """``(embed_tokens.weight [V, H], lm_head.weight [V, H])``, shared with the drafter."""
         ...
 
+    def prepack(self) -> int:
+        """Pre-pack linear weights for CPU bfloat16 inference, if the model can; layers packed."""
+        ...
+
     def new_cache(self, num_slots: int, max_len: int) -> Any:
         """A cache for ``num_slots`` sequences of ``max_len`` tokens (a ``SlotCache``)."""
         ...

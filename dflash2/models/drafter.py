@@ -20,7 +20,16 @@ from torch import nn
 
 from dflash2.config import DrafterConfig
 from dflash2.kv_cache import KVCache
-from dflash2.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention, softcap
+from dflash2.models.layers import (
+    MLP,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    attention,
+    prepack_linears,
+    softcap,
+)
 from dflash2.selector import Proposal, SelectorWeights, lattice_scores, topk_candidates, walk
 
 logger = logging.getLogger(__name__)
@@ -218,6 +227,8 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None, persistent=False)
         self._draft_head: torch.Tensor | None = None
+        self._prepacked = False
+        self._packed_draft_head: PackedLinear | None = None
 
     # ---- construction -------------------------------------------------------------------
 
@@ -263,16 +274,44 @@ class DFlashDrafter(nn.Module):
             raise ValueError("draft vocabulary ids must be distinct")
         if len(ids) < max(self.config.selector_top_k, 1):
             raise ValueError("the draft vocabulary is smaller than the selector's top-k")
-        device = self.fc.weight.device
-        self.draft_vocab = ids.to(device)
+        self.draft_vocab = ids.to(self.device)
         self._refresh_draft_head()
 
     def _refresh_draft_head(self) -> None:
+        self._packed_draft_head = None
         if self._target is None or self.draft_vocab is None:
             self._draft_head = None
             return
         lm_head = self._target[1]
         self._draft_head = lm_head.detach()[self.draft_vocab.to(lm_head.device)].contiguous()
+        if self._prepacked:
+            self._packed_draft_head = PackedLinear(self._draft_head.to(self.dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's compute dtype."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The drafter's device."""
+        return self.norm.weight.device
+
+    def prepack(self) -> int:
+        """Pre-pack the linear layers, and the draft-vocabulary LM head if there is one, for
+        CPU bfloat16 inference (:class:`~dflash2.models.layers.PackedLinear`).
+
+        Only when :func:`~dflash2.models.layers.can_prepack` holds; outputs are unchanged, but
+        the drafter can no longer be trained. The selector, whose weights the walk reads
+        directly, stays as it is. Idempotent.
+
+        Returns:
+            The number of layers packed.
+        """
+        count = prepack_linears(self, skip=("candidate_selector",))
+        self._prepacked = True
+        self._refresh_draft_head()
+        return count + (self._packed_draft_head is not None)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Map indices into the unary logits' last dimension to token ids (identity without a draft vocabulary)."""
@@ -308,7 +347,7 @@ class DFlashDrafter(nn.Module):
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Fuse target features: ``[..., F·H]`` → ``hidden_norm(fc(·))`` ``[..., H]`` (spec §2.1)."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
 
     @torch.inference_mode()
     def append_context(
@@ -373,7 +412,7 @@ class DFlashDrafter(nn.Module):
         block_ids = torch.full((num_rows, block_size), self.config.mask_token_id, device=anchor_ids.device)
         block_ids[:, 0] = anchor_ids
         h = nn.functional.embedding(block_ids, embed_weight) * self.config.input_embedding_scale
-        h = h.to(self.fc.weight.dtype)
+        h = h.to(self.dtype)
         positions = starts[:, None] + torch.arange(block_size, device=starts.device)[None]
         cos, sin = self.rotary(positions, h.dtype)
         context_len = int(starts.max())
@@ -422,7 +461,11 @@ class DFlashDrafter(nn.Module):
         head = self._draft_head if self._draft_head is not None else self._target[1]
         # A 2-D matmul: a strided 3-D input (e.g. hidden[:, 1:]) would go through bmm, which
         # copies the whole head every call (≈ 3× slower for bfloat16 on CPU).
-        flat = nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), head.to(hidden.dtype))
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        if self._packed_draft_head is not None and hidden.dtype == self.dtype:
+            flat = self._packed_draft_head(flat_hidden)
+        else:
+            flat = nn.functional.linear(flat_hidden, head.to(hidden.dtype))
         logits = flat.view(*hidden.shape[:-1], -1).float()  # [..., V or Vd]
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
@@ -470,7 +513,13 @@ class DFlashDrafter(nn.Module):
     def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1), plus
         ``draft_vocab.json`` when a draft vocabulary is set (other loaders ignore it and draft
-        over the full vocabulary)."""
+        over the full vocabulary).
+
+        Raises:
+            RuntimeError: after :meth:`prepack`, which drops the dense linear weights.
+        """
+        if self._prepacked:
+            raise RuntimeError("a pre-packed drafter has no dense linear weights to save: save it before prepack()")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.config.save(folder)

@@ -71,6 +71,10 @@ class HFCausalLMTarget(nn.Module):
         assert isinstance(embed.weight, torch.Tensor) and head is not None and isinstance(head.weight, torch.Tensor)
         return embed.weight, head.weight
 
+    def prepack(self) -> int:
+        """No-op: a transformers model keeps its own linear layers (nothing packed)."""
+        return 0
+
     def new_cache(self, num_slots: int, max_len: int) -> SlotCaches:
         """Per-slot dynamic caches (allocated on first use)."""
         return SlotCaches(num_slots, max_len)

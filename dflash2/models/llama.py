@@ -19,7 +19,7 @@ from torch import nn
 
 from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
-from dflash2.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attention
+from dflash2.models.layers import MLP, PackedLinear, RMSNorm, RotaryEmbedding, apply_rope, attention, prepack_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -113,7 +113,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | PackedLinear = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.head_dim)
@@ -129,7 +129,24 @@ class TargetModel(nn.Module):
 
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embed_tokens.weight, lm_head.weight)``, each ``[V, H]``."""
-        return self.embed_tokens.weight, self.lm_head.weight
+        head = self.lm_head.weight
+        assert head is not None  # a packed LM head keeps its dense weight
+        return self.embed_tokens.weight, head
+
+    def prepack(self) -> int:
+        """Pre-pack every linear layer for CPU bfloat16 inference (:class:`PackedLinear`).
+
+        Only when :func:`dflash2.models.layers.can_prepack` holds; outputs are unchanged.
+        The LM head keeps its dense weight, which the drafter shares. Idempotent.
+
+        Returns:
+            The number of layers packed.
+        """
+        count = prepack_linears(self.layers)
+        if isinstance(self.lm_head, nn.Linear):
+            self.lm_head = PackedLinear(self.lm_head.weight, self.lm_head.bias, keep_weight=True)
+            count += 1
+        return count
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A preallocated KV cache for ``num_slots`` sequences of ``max_len`` tokens."""

@@ -205,7 +205,7 @@ def teacher_forced(
             continue
         blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
         a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
-        features_i = features[a:b].to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+        features_i = features[a:b].to(drafter.device, drafter.dtype)
         hidden = drafter.forward_blocks(features_i, blocks.block_ids, blocks.anchors)[:, 1:]
         logits = drafter.logits(hidden)
         ranked = drafter.token_ids(logits.topk(max(ks), dim=-1).indices)  # [n, J, kmax]

@@ -1,0 +1,86 @@
+"""Pre-packed oneDNN linears (CPU, bfloat16): same outputs as ``nn.Linear``, same tokens from the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dflash2.engine
+from dflash2 import LLM, SamplingParams
+from dflash2.config import EngineConfig
+from dflash2.engine import Engine
+from dflash2.models.layers import PackedLinear, can_prepack
+from tests.tiny import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.skipif(
+    not can_prepack(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def test_can_prepack_only_cpu_bfloat16():
+    assert not can_prepack(torch.device("cpu"), torch.float32)
+    assert not can_prepack(torch.device("meta"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear_bit_for_bit(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    assert packed.weight is None and (packed.in_features, packed.out_features) == (64, 96)
+    for x in (
+        torch.randn(1, 64),
+        torch.randn(3, 9, 64),
+        torch.randn(2, 12, 64)[:, 1:],  # strided, like hidden[:, 1:]
+        torch.randn(80, 1, 64),
+    ):
+        x = x.to(torch.bfloat16)
+        with torch.inference_mode():
+            assert torch.equal(packed(x), linear(x))
+
+
+def _bf16_models(seed: int):
+    target = tiny_target("qwen3", seed=seed).to(torch.bfloat16)
+    drafter = tiny_drafter(target, version=2, block_size=8).to(torch.bfloat16)
+    drafter.set_draft_vocab(torch.arange(0, 80))
+    drafter.bind_target(*target.embedding_weights())
+    return target, drafter
+
+
+def _decode(target, drafter, block_size: int) -> list[list[int]]:
+    config = EngineConfig(block_size=block_size, max_num_seqs=4, max_model_len=128, device="cpu", dtype="bfloat16")
+    llm = LLM.from_engine(Engine(config, target, None, drafter if block_size > 1 else None))
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, seed=7))
+    return [c.token_ids for c in greedy + sampled]
+
+
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_prepacked_engine_decodes_the_same_tokens(monkeypatch, block_size):
+    with monkeypatch.context() as patch:
+        patch.setattr(dflash2.engine, "can_prepack", lambda device, dtype: False)
+        target, drafter = _bf16_models(seed=3)
+        reference = _decode(target, drafter, block_size)
+        assert isinstance(target.layers[0].mlp.gate_proj, nn.Linear)
+    target, drafter = _bf16_models(seed=3)
+    assert _decode(target, drafter, block_size) == reference
+    assert isinstance(target.layers[0].mlp.gate_proj, PackedLinear)
+    assert isinstance(target.lm_head, PackedLinear)
+    if block_size > 1:
+        assert isinstance(drafter.layers[0].mlp.gate_proj, PackedLinear)
+        assert drafter._packed_draft_head is not None
+        assert isinstance(drafter.candidate_selector.hidden_projection, nn.Linear)  # the walk reads its weight
+
+
+def test_prepack_keeps_the_shared_lm_head_and_is_idempotent(tmp_path):
+    target, drafter = _bf16_models(seed=4)
+    embed, head = target.embedding_weights()
+    num_linears = sum(isinstance(m, nn.Linear) for m in target.modules())
+    assert target.prepack() == num_linears
+    assert target.prepack() == 0
+    assert target.embedding_weights()[0] is embed and target.embedding_weights()[1] is head
+    assert drafter.prepack() > 0
+    with pytest.raises(RuntimeError, match="save it before prepack"):
+        drafter.save(tmp_path / "drafter")
