@@ -27,6 +27,8 @@ class ForwardBatch:
         valid: ``[R, L]`` bool, True on real tokens.
         flat_slots, flat_positions: ``[N]`` int64 slot and position of every real token.
         key_len: T, the longest ``starts[r] + lengths[r]``.
+        real_index: ``[N]`` int64 indices of the real tokens in the flattened ``[R·L]``
+            positions, or None when there is no padding (see :meth:`real_tokens`).
     """
 
     slots: list[int]
@@ -38,6 +40,7 @@ class ForwardBatch:
     flat_slots: torch.Tensor
     flat_positions: torch.Tensor
     key_len: int
+    real_index: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -63,7 +66,17 @@ class ForwardBatch:
             flat_slots=flat_slots.to(device),
             flat_positions=positions[valid].to(device),
             key_len=max(s + n for s, n in zip(starts, lengths)),
+            real_index=None if min(lengths) == width else valid.flatten().nonzero()[:, 0].to(device),
         )
+
+    def real_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, L, ...]`` → ``[N, ...]``, the entries of real tokens in row-major order.
+
+        Equal to ``x[valid]``, but one index (none without padding) computed once per batch
+        instead of a boolean-mask lookup per call.
+        """
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.real_index is None else flat.index_select(0, self.real_index)
 
     def causal_mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """``[R, 1, L, T]`` bool: key j is visible to query i when ``j ≤ pos_i`` and j is cached.

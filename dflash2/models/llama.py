@@ -62,7 +62,8 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), *rope)  # [R, nh, L, d]
         k = apply_rope(k.transpose(1, 2), *rope)  # [R, nkv, L, d]
         # Write the new tokens' K/V into their slots, then attend over each slot's cache.
-        cache.write(layer, batch.flat_slots, batch.flat_positions, k.transpose(1, 2)[batch.valid], v[batch.valid])
+        new_k, new_v = batch.real_tokens(k.transpose(1, 2)), batch.real_tokens(v)  # [N, nkv, d]
+        cache.write(layer, batch.flat_slots, batch.flat_positions, new_k, new_v)
         keys, values = cache.read(layer, batch.slots, batch.key_len)
         return self.o_proj(attention(q, keys.to(q.dtype), values.to(q.dtype), mask))
 
