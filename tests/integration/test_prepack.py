@@ -11,6 +11,8 @@ from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
 from dflash2.models.layers import PackedLinear, can_prepack
+from dflash2.train.data import TokenDataset
+from dflash2.train.evaluate import teacher_forced
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(
@@ -84,3 +86,24 @@ def test_prepack_keeps_the_shared_lm_head_and_is_idempotent(tmp_path):
     assert drafter.prepack() > 0
     with pytest.raises(RuntimeError, match="save it before prepack"):
         drafter.save(tmp_path / "drafter")
+
+
+def test_teacher_forced_eval_runs_on_a_prepacked_drafter():
+    """``dflash2 eval`` scores the drafter the engine packed: same recall and τ as unpacked."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [40, 33, 51]
+    tokens = torch.randint(0, 90, (sum(lengths),), generator=generator, dtype=torch.int32)
+    loss_mask = torch.ones(sum(lengths), dtype=torch.uint8)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    for start in offsets[:-1].tolist():
+        loss_mask[start : start + 8] = 0  # a prompt of 8 tokens
+    dataset = TokenDataset(tokens, loss_mask, offsets, torch.ones(len(lengths), dtype=torch.bool))
+    features = torch.randn(sum(lengths), 128, generator=generator).to(torch.bfloat16)
+    results = []
+    for pack in (False, True):
+        _, drafter = _bf16_models(seed=6)
+        if pack:
+            assert drafter.prepack() > 0
+        forced = teacher_forced(drafter, dataset, features, anchors_per_sequence=16)
+        results.append((forced.recall, forced.tau, forced.num_blocks))
+    assert results[0] == results[1] and results[0][2] > 0
