@@ -308,6 +308,8 @@ class DFlashDrafter(nn.Module):
         Returns:
             The number of layers packed.
         """
+        if self._prepacked:
+            return 0
         count = prepack_linears(self, skip=("candidate_selector",))
         self._prepacked = True
         self._refresh_draft_head()

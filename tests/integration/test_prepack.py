@@ -84,6 +84,7 @@ def test_prepack_keeps_the_shared_lm_head_and_is_idempotent(tmp_path):
     assert target.prepack() == 0
     assert target.embedding_weights()[0] is embed and target.embedding_weights()[1] is head
     assert drafter.prepack() > 0
+    assert drafter.prepack() == 0
     with pytest.raises(RuntimeError, match="save it before prepack"):
         drafter.save(tmp_path / "drafter")
 
