@@ -273,7 +273,7 @@ def _eval(args: argparse.Namespace) -> int:
                 print(f"{name:10s} T={temperature:g} B={block_size:2d}: tau {r.tau:.2f}", file=sys.stderr)
     recall, forced_tau = None, None
     dataset = TokenDataset.load(args.data / "dataset.safetensors") if args.data is not None else None
-    if dataset is not None and dataset.indices(heldout=True):
+    if dataset is not None and args.num_recall_sequences > 0 and dataset.indices(heldout=True):
         heldout = dataset.subset(dataset.indices(heldout=True)[: args.num_recall_sequences])
         features = extract_features(target, heldout, drafter.config.target_layer_ids)
         forced = evaluate.teacher_forced(
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-recall-sequences",
         type=int,
         default=64,
-        help="held-out conversations for Recall@k (default: %(default)s)",
+        help="held-out conversations for Recall@k and the teacher-forced tau; 0 skips them (default: %(default)s)",
     )
     ev.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default: %(default)s)")
     add_engine_args(ev)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,8 +126,11 @@ def test_eval_uses_the_shipped_drafter_by_default(tmp_path):
     from dflash2.cli import main
 
     args = ["eval", "--sets", "math", "--temperatures", "0", "--block-sizes", "8", "--num-prompts", "1"]
-    assert main([*args, "--max-tokens", "16", "--dtype", "float32", "--threads", "2", "--out", str(tmp_path)]) == 0
+    data = Path(__file__).resolve().parents[2] / "data" / "smollm2-135m"  # committed; 0 recall sequences: no features
+    options = ["--max-tokens", "16", "--dtype", "float32", "--threads", "2", "--num-recall-sequences", "0"]
+    assert main([*args, *options, "--data", str(data), "--out", str(tmp_path)]) == 0
     assert "| math | 0 | 8 |" in (tmp_path / "eval.md").read_text()
+    assert json.loads((tmp_path / "eval.json").read_text())["teacher_forced_tau"] is None
     # Another target has no shipped drafter: a clear error, not a crash.
     other = ["--model", str(source.resolve_model(None)), "--out", str(tmp_path / "other")]
     assert main([*args, *other]) == 2
