@@ -40,7 +40,7 @@ class ForwardBatch:
     flat_slots: torch.Tensor
     flat_positions: torch.Tensor
     key_len: int
-    real_index: torch.Tensor | None = None
+    real_index: torch.Tensor | None
 
     @classmethod
     def build(
