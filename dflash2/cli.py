@@ -223,12 +223,18 @@ def _train(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size,
         init_drafter=str(args.init_drafter) if args.init_drafter else None,
         eval_every=args.eval_every,
+        distill_weight=args.distill_weight,
+        distill_top_k=args.distill_top_k,
     )
+    if not 0.0 <= config.distill_weight <= 1.0 or config.distill_top_k < 1:
+        print("error: --distill-weight must lie in [0, 1] and --distill-top-k be at least 1", file=sys.stderr)
+        return 2
     mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
     layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
     cache = args.features or args.data / f"features-{'-'.join(map(str, layer_ids))}.safetensors"
-    features = load_or_extract(cache, target, dataset, layer_ids)
-    trainer = Trainer(target, dataset, features, config, args.run_dir, mask_token_id)
+    soft_label_k = config.distill_top_k if config.distill_weight > 0 else 0
+    features, soft_labels = load_or_extract(cache, target, dataset, layer_ids, soft_label_k)
+    trainer = Trainer(target, dataset, features, config, args.run_dir, mask_token_id, soft_labels)
     metrics = trainer.run(export_dir=args.out)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, list)}))
     print(f"exported the drafter to {args.out}", file=sys.stderr)
@@ -275,7 +281,7 @@ def _eval(args: argparse.Namespace) -> int:
     dataset = TokenDataset.load(args.data / "dataset.safetensors") if args.data is not None else None
     if dataset is not None and args.num_recall_sequences > 0 and dataset.indices(heldout=True):
         heldout = dataset.subset(dataset.indices(heldout=True)[: args.num_recall_sequences])
-        features = extract_features(target, heldout, drafter.config.target_layer_ids)
+        features, _ = extract_features(target, heldout, drafter.config.target_layer_ids)
         forced = evaluate.teacher_forced(
             drafter, heldout, features, max_sequences=args.num_recall_sequences, use_selector=engine_config.use_selector
         )
@@ -454,6 +460,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
     train.add_argument(
         "--blocks-per-step", type=int, default=256, help="blocks per optimizer step (default: %(default)s)"
+    )
+    train.add_argument(
+        "--distill-weight",
+        type=float,
+        default=0.0,
+        help="β of (1−β)·CE(hard label) + β·CE(target's top-k distribution); >0 caches the target's "
+        "top-k log-probabilities with the features (default: %(default)s)",
+    )
+    train.add_argument(
+        "--distill-top-k",
+        type=int,
+        default=16,
+        help="entries of the target's distribution kept per token for --distill-weight (default: %(default)s)",
     )
     train.add_argument(
         "--anchors-per-sequence",

@@ -58,12 +58,16 @@ class Blocks:
         block_ids: ``[n, B]`` ``[x_a, MASK × (B−1)]``.
         labels: ``[n, B]`` ``x_{a+k}`` (0 where out of range).
         weights: ``[n, B]`` loss weight per slot (0 on slot 0, outside the sequence and on prompt tokens).
+        soft_logprobs, soft_ids: ``[n, B, k]`` the target's top-k distribution of each slot's
+            label (its prediction after ``x_{a+k−1}``), or None without soft labels.
     """
 
     anchors: torch.Tensor
     block_ids: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
+    soft_logprobs: torch.Tensor | None = None
+    soft_ids: torch.Tensor | None = None
 
 
 def make_blocks(
@@ -73,8 +77,14 @@ def make_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float | None = None,
+    soft_logprobs: torch.Tensor | None = None,
+    soft_ids: torch.Tensor | None = None,
 ) -> Blocks:
-    """Block inputs, same-position labels and weights (spec §7: slot k predicts ``x_{a+k}``)."""
+    """Block inputs, same-position labels and weights (spec §7: slot k predicts ``x_{a+k}``).
+
+    ``soft_logprobs`` / ``soft_ids`` (``[S, k]``, row t = the target's distribution of token
+    t + 1, see ``features.SoftLabels``) add each slot's soft label for distillation.
+    """
     seq_len = input_ids.shape[0]
     positions = anchors[:, None] + torch.arange(block_size)[None]  # [n, B]
     in_bounds = positions < seq_len
@@ -83,7 +93,11 @@ def make_blocks(
     weights = slot_weights(block_size, gamma)[None] * in_bounds * loss_mask[clamped]
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, 0] = input_ids[anchors]
-    return Blocks(anchors, block_ids, labels, weights.float())
+    blocks = Blocks(anchors, block_ids, labels, weights.float())
+    if soft_logprobs is not None and soft_ids is not None:
+        rows = (positions - 1).clamp(min=0, max=seq_len - 1)  # slot k's label x_{a+k} is predicted at a+k−1
+        blocks.soft_logprobs, blocks.soft_ids = soft_logprobs[rows], soft_ids[rows].long()
+    return blocks
 
 
 @dataclass
@@ -98,6 +112,7 @@ class LossTerms:
     topk: torch.Tensor  # [J] count of slots whose label is in the top-k
     selector_top1: torch.Tensor  # [J] teacher-forced selector argmax hits
     count: torch.Tensor  # [J] valid slots
+    distill_loss: torch.Tensor  # Σ w·CE against the target's soft labels (0 without them)
 
 
 def block_losses(
@@ -119,6 +134,11 @@ def block_losses(
         draft_vocab: ``[Vd]`` sorted token ids when the logits cover a draft vocabulary
             (``logits [n, J, Vd]``); labels outside it get no CE (they can never be drafted)
             but still count as misses in the recall counters.
+
+    With soft labels in ``blocks`` the distillation term is the cross-entropy between the
+    target's top-k distribution (renormalised over the entries the logits cover) and the
+    drafter's softmax, with the same slot weights: the forward KL of knowledge distillation
+    (Hinton et al., 2015; DistillSpec, Zhou et al., 2024) up to the target's entropy.
 
     The selector term is teacher-forced: the predecessor is the true previous token (the
     anchor for slot 1); slots whose true token is outside the top-k are excluded ("strict").
@@ -161,4 +181,20 @@ def block_losses(
         topk=in_topk.sum(0).float(),
         selector_top1=selector_top1,
         count=valid.sum(0).float(),
+        distill_loss=(ce_weights * _soft_cross_entropy(logits, blocks, draft_vocab)).sum()
+        if blocks.soft_ids is not None
+        else zero,
     )
+
+
+def _soft_cross_entropy(logits: torch.Tensor, blocks: Blocks, draft_vocab: torch.Tensor | None) -> torch.Tensor:
+    """``[n, J]`` CE of the drafter's ``logits [n, J, V or Vd]`` against the blocks' soft labels."""
+    assert blocks.soft_ids is not None and blocks.soft_logprobs is not None
+    ids, logprobs = blocks.soft_ids[:, 1:], blocks.soft_logprobs[:, 1:].float()  # [n, J, k]
+    covered = torch.ones_like(ids, dtype=torch.bool)
+    if draft_vocab is not None:
+        ids = draft_vocab_indices(draft_vocab, ids)
+        covered = ids >= 0
+        ids = ids.clamp(min=0)
+    target = torch.softmax(logprobs.masked_fill(~covered, -math.inf), dim=-1).nan_to_num(0.0)
+    return -(target * torch.log_softmax(logits, dim=-1).gather(-1, ids)).sum(-1)

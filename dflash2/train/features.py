@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,17 +19,62 @@ from dflash2.train.data import TokenDataset
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SoftLabels:
+    """The target's top-k next-token distribution at every dataset token (for distillation).
+
+    Row ``t`` is the target's prediction after reading token ``t``, i.e. its distribution of
+    token ``t + 1``: a drafted slot whose label is ``x_{a+k}`` uses row ``a + k − 1``.
+
+    Attributes:
+        logprobs: ``[N, k]`` float16 log-probabilities (log-softmax over the full vocabulary,
+            so they sum to at most 1 in probability), highest first.
+        ids: ``[N, k]`` int32 token ids of those entries.
+    """
+
+    logprobs: torch.Tensor
+    ids: torch.Tensor
+
+    def __getitem__(self, rows: slice) -> SoftLabels:
+        return SoftLabels(self.logprobs[rows], self.ids[rows])
+
+    def top(self, k: int) -> SoftLabels:
+        """The ``k`` most likely entries per token (``k`` ≤ :attr:`top_k`)."""
+        return self if k == self.top_k else SoftLabels(self.logprobs[:, :k].contiguous(), self.ids[:, :k].contiguous())
+
+    @property
+    def top_k(self) -> int:
+        """Entries kept per token."""
+        return int(self.ids.shape[1])
+
+
 @torch.inference_mode()
 def extract_features(
-    target: Target, dataset: TokenDataset, layer_ids: tuple[int, ...], batch_tokens: int = 4096
-) -> torch.Tensor:
+    target: Target,
+    dataset: TokenDataset,
+    layer_ids: tuple[int, ...],
+    batch_tokens: int = 4096,
+    soft_label_k: int = 0,
+) -> tuple[torch.Tensor, SoftLabels | None]:
     """Features ``[total tokens, F·H]`` float16 of every dataset token at ``layer_ids``.
 
-    Sequences run in length-sorted batches of about ``batch_tokens`` tokens.
+    Sequences run in length-sorted batches of about ``batch_tokens`` tokens. With
+    ``soft_label_k > 0`` the same forward also yields the target's top-k next-token
+    log-probabilities at every token (:class:`SoftLabels`, for ``--distill-weight``); this adds
+    the LM head over every token, about a quarter more time for a small target.
+
+    Returns:
+        ``(features, soft labels or None)``.
     """
     order = sorted(range(len(dataset)), key=lambda i: int(dataset.offsets[i + 1] - dataset.offsets[i]))
     hidden = target.embedding_weights()[0].shape[1]
-    out = torch.empty(int(dataset.offsets[-1]), len(layer_ids) * hidden, dtype=torch.float16)
+    total = int(dataset.offsets[-1])
+    out = torch.empty(total, len(layer_ids) * hidden, dtype=torch.float16)
+    soft = None
+    if soft_label_k > 0:
+        soft = SoftLabels(
+            torch.empty(total, soft_label_k, dtype=torch.float16), torch.empty(total, soft_label_k, dtype=torch.int32)
+        )
     max_len = max(int(dataset.offsets[i + 1] - dataset.offsets[i]) for i in range(len(dataset)))
     device = target.embedding_weights()[0].device
     batches: list[list[int]] = [[]]
@@ -41,12 +87,18 @@ def extract_features(
     for batch_ids in tqdm(batches, desc="target features", unit="batch", dynamic_ncols=True):
         rows = [dataset.sequence(i)[0].tolist() for i in batch_ids]
         batch = ForwardBatch.build(list(range(len(rows))), rows, [0] * len(rows), device)
-        _, features = target.run(batch, cache, layer_ids, last_only=True)
+        logits, features = target.run(batch, cache, layer_ids, last_only=soft is None)
         assert features is not None
+        top = None
+        if soft is not None:
+            top = torch.log_softmax(logits, dim=-1).topk(soft_label_k, dim=-1)
         for r, i in enumerate(batch_ids):
             a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
             out[a:b] = features[r, : b - a].to("cpu", torch.float16)
-    return out
+            if soft is not None and top is not None:
+                soft.logprobs[a:b] = top.values[r, : b - a].to("cpu", torch.float16)
+                soft.ids[a:b] = top.indices[r, : b - a].to("cpu", torch.int32)
+    return out, soft
 
 
 def tokens_digest(dataset: TokenDataset, num_tokens: int) -> str:
@@ -54,12 +106,18 @@ def tokens_digest(dataset: TokenDataset, num_tokens: int) -> str:
     return hashlib.sha256(dataset.tokens[:num_tokens].to(torch.int32).numpy().tobytes()).hexdigest()
 
 
-def load_or_extract(path: Path, target: Target, dataset: TokenDataset, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Features of ``dataset`` at ``layer_ids``, cached in ``path`` (safetensors).
+def load_or_extract(
+    path: Path, target: Target, dataset: TokenDataset, layer_ids: tuple[int, ...], soft_label_k: int = 0
+) -> tuple[torch.Tensor, SoftLabels | None]:
+    """Features of ``dataset`` at ``layer_ids`` (and soft labels), cached in ``path`` (safetensors).
 
-    A cache for the same layers and token ids is loaded as is. A cache for a prefix of the
-    conversations (a data set grown by ``dflash2 data`` with more prompts) is extended: only the
-    new conversations run through the target. Anything else is extracted again.
+    A cache for the same layers, token ids and at least ``soft_label_k`` soft labels is loaded
+    as is (soft labels cut to ``soft_label_k``). A cache for a prefix of the conversations (a
+    data set grown by ``dflash2 data`` with more prompts) is extended: only the new
+    conversations run through the target. Anything else is extracted again.
+
+    Returns:
+        ``(features [N, F·H] float16, soft labels or None when soft_label_k is 0)``.
     """
     key = ",".join(map(str, layer_ids))
     total = int(dataset.offsets[-1])
@@ -67,28 +125,48 @@ def load_or_extract(path: Path, target: Target, dataset: TokenDataset, layer_ids
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             num_tokens = f.get_slice("features").get_shape()[0]
+        cached_k = int(metadata.get("soft_label_k", 0))
         boundaries = dataset.offsets.tolist()
         same_prefix = (
             metadata.get("layer_ids") == key
             and num_tokens in boundaries
             and metadata.get("tokens_sha256") == tokens_digest(dataset, num_tokens)
+            and cached_k >= soft_label_k
         )
-        if same_prefix and num_tokens == total:
-            return load_file(str(path))["features"]
         if same_prefix:
-            first_new = boundaries.index(num_tokens)
-            logger.info("extending cached features at %s from %d to %d conversations", path, first_new, len(dataset))
-            new = extract_features(target, dataset.subset(list(range(first_new, len(dataset)))), layer_ids)
-            features = torch.cat([load_file(str(path))["features"], new])
-            _save(path, features, key, dataset)
-            return features
-        logger.warning("cached features at %s do not match the data set; extracting again", path)
-    features = extract_features(target, dataset, layer_ids)
-    _save(path, features, key, dataset)
-    return features
+            cached = load_file(str(path))
+            features, soft = cached["features"], _soft(cached, cached_k)
+            if num_tokens < total:
+                # Grown data set: extend, keeping every soft label the cache holds.
+                first_new = boundaries.index(num_tokens)
+                logger.info(
+                    "extending cached features at %s from %d to %d conversations", path, first_new, len(dataset)
+                )
+                new, new_soft = extract_features(
+                    target, dataset.subset(list(range(first_new, len(dataset)))), layer_ids, soft_label_k=cached_k
+                )
+                features = torch.cat([features, new])
+                if soft is not None and new_soft is not None:
+                    soft = SoftLabels(
+                        torch.cat([soft.logprobs, new_soft.logprobs]), torch.cat([soft.ids, new_soft.ids])
+                    )
+                _save(path, features, soft, key, dataset)
+            return features, (soft.top(soft_label_k) if soft is not None and soft_label_k else None)
+        logger.warning("cached features at %s do not match the data set or settings; extracting again", path)
+    features, soft = extract_features(target, dataset, layer_ids, soft_label_k=soft_label_k)
+    _save(path, features, soft, key, dataset)
+    return features, soft
 
 
-def _save(path: Path, features: torch.Tensor, key: str, dataset: TokenDataset) -> None:
+def _soft(tensors: dict[str, torch.Tensor], k: int) -> SoftLabels | None:
+    return SoftLabels(tensors["soft_logprobs"], tensors["soft_ids"]) if k else None
+
+
+def _save(path: Path, features: torch.Tensor, soft: SoftLabels | None, key: str, dataset: TokenDataset) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"layer_ids": key, "tokens_sha256": tokens_digest(dataset, len(features))}
-    save_file({"features": features}, str(path), metadata=metadata)
+    tensors = {"features": features}
+    if soft is not None:
+        tensors |= {"soft_logprobs": soft.logprobs, "soft_ids": soft.ids}
+        metadata["soft_label_k"] = str(soft.top_k)
+    save_file(tensors, str(path), metadata=metadata)

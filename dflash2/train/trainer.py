@@ -29,6 +29,7 @@ from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.drafter_factory import drafter_config_for_target
 from dflash2.train.blocks import LossTerms, block_losses, make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
+from dflash2.train.features import SoftLabels
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class TrainConfig:
             its shape must match these settings.
         eval_every: steps between held-out evaluations (teacher-forced τ and Recall@1 on up to
             64 held-out conversations, logged as ``heldout_tau`` / ``heldout_top1``); 0 = never.
+        distill_weight: β in ``(1 − β) · CE(hard label) + β · CE(target's top-k distribution)``
+            per slot (knowledge distillation; needs the soft labels of ``features.SoftLabels``);
+            0 = hard labels only, as in the spec.
+        distill_top_k: entries of the target's distribution kept per token for distillation.
     """
 
     num_layers: int = 3
@@ -83,6 +88,8 @@ class TrainConfig:
     draft_vocab_size: int = 0
     init_drafter: str | None = None
     eval_every: int = 100
+    distill_weight: float = 0.0
+    distill_top_k: int = 16
 
 
 # Settings that may change when a run resumes (they do not change what is trained).
@@ -169,8 +176,21 @@ class Trainer:
         config: TrainConfig,
         run_dir: Path,
         mask_token_id: int,
+        soft_labels: SoftLabels | None = None,
     ) -> None:
+        """
+        Args:
+            features: ``[total tokens, F·H]`` cached target features of ``dataset``.
+            soft_labels: the target's top-k next-token distributions of ``dataset``, needed
+                when ``config.distill_weight > 0``.
+
+        Raises:
+            ValueError: distillation without soft labels.
+        """
+        if config.distill_weight > 0 and soft_labels is None:
+            raise ValueError("distill_weight > 0 needs the target's soft labels (see features.load_or_extract)")
         self.target, self.dataset, self.features, self.config = target, dataset, features, config
+        self.soft_labels = soft_labels if config.distill_weight > 0 else None
         self.run_dir = run_dir
         self.train_ids = dataset.indices(heldout=False)
         for p in target.parameters() if isinstance(target, torch.nn.Module) else []:
@@ -216,8 +236,9 @@ class Trainer:
         if not self.checkpoint_path.is_file():
             return
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
-        if state["config"] != asdict(self.config):
-            changed = {k for k, v in asdict(self.config).items() if state["config"].get(k) != v}
+        saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # older runs lack newer fields
+        if saved != asdict(self.config):
+            changed = {k for k, v in asdict(self.config).items() if saved.get(k) != v}
             if changed - RESUMABLE_CHANGES:
                 raise ValueError(f"{self.checkpoint_path} was trained with other settings ({sorted(changed)})")
         self.drafter.load_state_dict(state["drafter"])
@@ -269,7 +290,20 @@ class Trainer:
             if len(anchors) == 0:
                 continue
             anchors = anchors[: self.config.blocks_per_step - total]
-            picked.append((i, make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id, self.config.gamma)))
+            soft = None
+            if self.soft_labels is not None:
+                soft = self.soft_labels[int(self.dataset.offsets[i]) : int(self.dataset.offsets[i + 1])]
+            blocks = make_blocks(
+                ids,
+                mask,
+                anchors,
+                c.block_size,
+                c.mask_token_id,
+                self.config.gamma,
+                None if soft is None else soft.logprobs,
+                None if soft is None else soft.ids,
+            )
+            picked.append((i, blocks))
             total += len(anchors)
         return picked
 
@@ -292,7 +326,8 @@ class Trainer:
                 hidden = hidden[:, 1:]
                 logits = self.drafter.logits(hidden)
             terms = block_losses(logits, hidden, blocks, selector, top_k, self.drafter.draft_vocab)
-            loss = terms.base_loss / base_weight
+            beta = self.config.distill_weight
+            loss = ((1 - beta) * terms.base_loss + beta * terms.distill_loss) / base_weight
             if selector is not None and self.config.selector_alpha > 0:
                 # The selector CE is normalised by its own weight sum (estimated from this sequence's share).
                 share = float(terms.base_weight) / base_weight
@@ -312,6 +347,7 @@ class Trainer:
             "lr": self.learning_rate(self.step - 1),
             "loss": float(sums["base_loss"] / sums["base_weight"].clamp(min=1e-6)),
             "selector_loss": float(sums["selector_loss"] / sums["selector_weight"].clamp(min=1e-6)),
+            "distill_loss": float(sums["distill_loss"] / sums["base_weight"].clamp(min=1e-6)),
             "top1": float(sums["top1"].sum() / count.sum()),
             "topk": float(sums["topk"].sum() / count.sum()),
             "selector_top1": float(sums["selector_top1"].sum() / sums["topk"].sum().clamp(min=1)),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
+from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.train.data import TokenDataset
 from dflash2.train.evaluate import teacher_forced
@@ -54,7 +55,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
         eval_every=10,
     )
     trainer = Trainer(target, dataset, torch.empty(0), config, tmp_path / "run", mask_token_id=95)
-    trainer.features = extract_features(target, dataset, trainer.drafter.config.target_layer_ids)
+    trainer.features, _ = extract_features(target, dataset, trainer.drafter.config.target_layer_ids)
     trainer.run(export_dir=tmp_path / "drafter")
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     first = sum(m["loss"] for m in log[:5]) / 5
@@ -116,7 +117,7 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     target = tiny_target(vocab_size=96, seed=2)
     dataset = _dataset(target)
     config = _one_layer_config(steps=4, checkpoint_every=2)
-    features = extract_features(target, dataset, (2,))
+    features, _ = extract_features(target, dataset, (2,))
     first = Trainer(target, dataset, features, config, tmp_path, mask_token_id=95)
     first.run()
     resumed = Trainer(target, dataset, features, TrainConfig(**{**config.__dict__, "steps": 6}), tmp_path, 95)
@@ -131,7 +132,7 @@ def test_a_new_run_can_start_from_an_exported_drafter(tmp_path):
     target = tiny_target(vocab_size=96, seed=2)
     dataset = _dataset(target)
     config = _one_layer_config(steps=2, draft_vocab_size=48)
-    features = extract_features(target, dataset, (2,))
+    features, _ = extract_features(target, dataset, (2,))
     first = Trainer(target, dataset, features, config, tmp_path / "first", mask_token_id=95)
     first.run(export_dir=tmp_path / "export")
     exported = DFlashDrafter.load(tmp_path / "export", torch.float32, "cpu")
@@ -154,19 +155,19 @@ def test_feature_cache_is_reused_extended_for_new_conversations_and_rebuilt_for_
     extracted: list[int] = []  # conversations sent through the target, per extraction
     real_extract = features_module.extract_features
 
-    def counting_extract(target, data, layer_ids):
+    def counting_extract(target, data, layer_ids, soft_label_k=0):
         extracted.append(len(data))
-        return real_extract(target, data, layer_ids)
+        return real_extract(target, data, layer_ids, soft_label_k=soft_label_k)
 
     monkeypatch.setattr(features_module, "extract_features", counting_extract)
-    expected = real_extract(target, dataset, (2,))
+    expected, _ = real_extract(target, dataset, (2,))
 
     features_module.load_or_extract(path, target, dataset.subset(list(range(16))), (2,))
-    grown = features_module.load_or_extract(path, target, dataset, (2,))
-    assert extracted == [16, len(dataset) - 16]
+    grown, soft = features_module.load_or_extract(path, target, dataset, (2,))
+    assert extracted == [16, len(dataset) - 16] and soft is None
     torch.testing.assert_close(grown, expected, atol=1e-3, rtol=0)
 
-    again = features_module.load_or_extract(path, target, dataset, (2,))
+    again, _ = features_module.load_or_extract(path, target, dataset, (2,))
     assert extracted == [16, len(dataset) - 16]
     assert torch.equal(again, grown)
 
@@ -176,3 +177,46 @@ def test_feature_cache_is_reused_extended_for_new_conversations_and_rebuilt_for_
     assert extracted[-1] == len(dataset)
     features_module.load_or_extract(path, target, changed, (1,))
     assert extracted[-1] == len(dataset) and len(extracted) == 4
+
+
+def test_soft_labels_are_the_targets_top_k_and_survive_cache_growth(tmp_path):
+    from dflash2.train import features as features_module
+
+    target = tiny_target(vocab_size=96, seed=2)
+    dataset = _dataset(target)
+    features, soft = extract_features(target, dataset, (2,), soft_label_k=5)
+    plain, none = extract_features(target, dataset, (2,))
+    assert none is None and torch.equal(features, plain)
+    # Row t of a conversation is the target's log-softmax top-5 after reading tokens 0..t.
+    i = dataset.indices(heldout=False)[3]
+    ids, _ = dataset.sequence(i)
+    a = int(dataset.offsets[i])
+    cache = target.new_cache(1, len(ids))
+    logits, _ = target.run(ForwardBatch.build([0], [ids.tolist()], [0], torch.device("cpu")), cache)
+    top = torch.log_softmax(logits[0], -1).topk(5, dim=-1)
+    assert torch.equal(soft.ids[a : a + len(ids)].long(), top.indices)
+    torch.testing.assert_close(soft.logprobs[a : a + len(ids)].float(), top.values, atol=1e-3, rtol=1e-3)  # float16
+    # A cache with soft labels serves a run without them and a smaller k; it keeps them when the data grows.
+    path = tmp_path / "features.safetensors"
+    features_module.load_or_extract(path, target, dataset.subset(list(range(16))), (2,), soft_label_k=5)
+    _, without = features_module.load_or_extract(path, target, dataset, (2,))
+    assert without is None
+    _, three = features_module.load_or_extract(path, target, dataset, (2,), soft_label_k=3)
+    assert torch.equal(three.ids, soft.ids[:, :3])
+    # Asking for more entries than the cache holds extracts again.
+    _, six = features_module.load_or_extract(path, target, dataset, (2,), soft_label_k=6)
+    assert six.top_k == 6 and torch.equal(six.ids[:, :5], soft.ids)
+
+
+def test_distillation_trains_and_needs_soft_labels(tmp_path):
+    target = tiny_target(vocab_size=96, seed=2)
+    dataset = _dataset(target)
+    config = _one_layer_config(steps=30, lr=1e-2, distill_weight=0.5, distill_top_k=8, draft_vocab_size=64)
+    features, soft = extract_features(target, dataset, (2,), soft_label_k=8)
+    with pytest.raises(ValueError, match="soft labels"):
+        Trainer(target, dataset, features, config, tmp_path / "no-soft", 95)
+    trainer = Trainer(target, dataset, features, config, tmp_path / "run", 95, soft)
+    trainer.run()
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert all(m["distill_loss"] > 0 for m in log)
+    assert sum(m["distill_loss"] for m in log[-3:]) < 0.8 * sum(m["distill_loss"] for m in log[:3])

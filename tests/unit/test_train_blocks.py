@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from dflash2.train.blocks import block_losses, make_blocks, sample_anchors, slot_weights
+from dflash2.train.blocks import Blocks, block_losses, make_blocks, sample_anchors, slot_weights
 from dflash2.train.trainer import read_training_log
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
@@ -108,6 +108,45 @@ def test_selector_loss_counts_only_slots_with_label_in_top_k():
     assert torch.allclose(terms.selector_weight, expected_weight)
     assert torch.equal(terms.topk, in_top.sum(0).float())
     assert terms.base_weight == blocks.weights[:, 1:].sum()
+
+
+def test_soft_labels_align_with_slots_and_one_hot_soft_labels_give_the_hard_loss():
+    drafter, features, ids = _drafter_and_features()
+    seq_len, k = len(ids), 3
+    # Row t carries token t+1 as its most likely entry, so slot j's soft label must lead with x_{a+j}.
+    soft_ids = torch.stack([torch.roll(ids, -1), ids, ids], dim=1).int()
+    one_hot = torch.tensor([0.0, -30.0, -30.0]).expand(seq_len, k).half()
+    anchors = torch.tensor([2, 9])
+    blocks = make_blocks(ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, one_hot, soft_ids)
+    assert torch.equal(blocks.soft_ids[:, 1:, 0], blocks.labels[:, 1:])
+    hidden = drafter.forward_blocks(features, blocks.block_ids, blocks.anchors)[:, 1:]
+    logits = drafter.logits(hidden)
+    terms = block_losses(logits, hidden, blocks, None, top_k=4)
+    torch.testing.assert_close(terms.distill_loss, terms.base_loss, atol=1e-4, rtol=1e-4)
+    # A spread soft label: Σ w · (−Σ_i p_i log q_i) over the slots.
+    spread = torch.log(torch.tensor([0.5, 0.25, 0.25])).expand(seq_len, k).half()
+    blocks_spread = make_blocks(ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, spread, soft_ids)
+    p = torch.tensor([0.5, 0.25, 0.25])
+    log_q = torch.log_softmax(logits.float(), -1).gather(-1, blocks_spread.soft_ids[:, 1:])
+    expected = (blocks.weights[:, 1:] * -(p * log_q).sum(-1)).sum()
+    torch.testing.assert_close(block_losses(logits, hidden, blocks_spread, None, 4).distill_loss, expected)
+    # Entries outside a draft vocabulary are dropped and the rest renormalised.
+    vocab = torch.tensor([10, 20, 30, 40])
+    small_logits = torch.tensor([[[0.0, 1.0, 2.0, 3.0]]])  # [n=1, J=1, Vd=4]
+    small = Blocks(
+        anchors=torch.tensor([0]),
+        block_ids=torch.tensor([[5, 95]]),
+        labels=torch.tensor([[0, 20]]),
+        weights=torch.tensor([[0.0, 1.0]]),
+        soft_logprobs=torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(1, 2, 3),
+        soft_ids=torch.tensor([20, 99, 40]).expand(1, 2, 3),
+    )
+    log_q = torch.log_softmax(small_logits[0, 0], -1)
+    expected = -(5 / 7 * log_q[1] + 2 / 7 * log_q[3])
+    got = block_losses(small_logits, torch.zeros(1, 1, 4), small, None, 2, vocab).distill_loss
+    torch.testing.assert_close(got, expected)
+    plain = make_blocks(ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95)
+    assert block_losses(logits, hidden, plain, None, 4).distill_loss.item() == 0
 
 
 def test_training_log_keeps_the_newest_line_of_each_step(tmp_path):
