@@ -33,9 +33,18 @@ def default_log_level() -> str:
     return os.environ.get("DFLASH2_LOG_LEVEL", "WARNING")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Model and engine flags (names follow SGLang / vLLM where they exist)."""
-    g = parser.add_argument_group("model and engine")
+# Engine flags a subcommand does not use, by destination name: they are not offered there, so a
+# mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
+_UNUSED_ENGINE_FLAGS = {
+    "data": ("drafter", "block_size", "use_selector", "seed"),
+    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed"),
+    "eval": ("block_size", "max_model_len", "seed"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -> None:
+    """Model and engine flags (names follow SGLang / vLLM where they exist), less ``omit`` (dest names)."""
+    g = _FilteredGroup(parser.add_argument_group("model and engine"), omit)
     g.add_argument(
         "--model",
         default=_DEFAULTS.model,
@@ -91,20 +100,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _FilteredGroup:
+    """An argument group that skips the arguments whose destination is in ``omit``."""
+
+    def __init__(self, group: Any, omit: Sequence[str]) -> None:
+        self.group, self.omit = group, set(omit)
+
+    def add_argument(self, *names: str, **kwargs: Any) -> None:
+        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        if dest not in self.omit:
+            self.group.add_argument(*names, **kwargs)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the frozen ``EngineConfig`` from parsed flags."""
-    return EngineConfig(
-        model=args.model,
-        drafter=args.drafter,
-        block_size=args.block_size,
-        use_selector=args.use_selector,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        num_threads=args.num_threads,
-    )
+    """Build the frozen ``EngineConfig`` from parsed flags (defaults for flags a subcommand lacks)."""
+    names = ("model", "drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len")
+    names += ("device", "dtype", "seed", "num_threads")
+    return EngineConfig(**{name: getattr(args, name, getattr(_DEFAULTS, name)) for name in names})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -200,6 +212,9 @@ def _train(args: argparse.Namespace) -> int:
     from dflash2.train.features import load_or_extract
     from dflash2.train.trainer import TrainConfig, Trainer, new_drafter
 
+    if not 0.0 <= args.distill_weight <= 1.0 or args.distill_top_k < 1:
+        print("error: --distill-weight must lie in [0, 1] and --distill-top-k be at least 1", file=sys.stderr)
+        return 2
     engine_config = engine_config_from_args(args)
     _, tokenizer, target = _load_target(engine_config)
     dataset = TokenDataset.load(args.data / "dataset.safetensors")
@@ -226,9 +241,6 @@ def _train(args: argparse.Namespace) -> int:
         distill_weight=args.distill_weight,
         distill_top_k=args.distill_top_k,
     )
-    if not 0.0 <= config.distill_weight <= 1.0 or config.distill_top_k < 1:
-        print("error: --distill-weight must lie in [0, 1] and --distill-top-k be at least 1", file=sys.stderr)
-        return 2
     mask_token_id = pick_mask_token_id(tokenizer, target.embedding_weights()[0].shape[0])
     layer_ids = new_drafter(target, config, mask_token_id).config.target_layer_ids
     cache = args.features or args.data / f"features-{'-'.join(map(str, layer_ids))}.safetensors"
@@ -248,6 +260,9 @@ def _eval(args: argparse.Namespace) -> int:
     from dflash2.train.data import TokenDataset
     from dflash2.train.features import extract_features
 
+    if args.sets and "heldout" in args.sets and args.data is None:
+        print("error: the heldout set comes from a `dflash2 data` folder: pass --data", file=sys.stderr)
+        return 2
     engine_config = engine_config_from_args(args)
     folder, tokenizer, target = _load_target(engine_config)
     drafter_path = resolve_drafter_path(engine_config)
@@ -430,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--data-seed", type=int, default=0, help="seed of topics, temperatures and the split (default: %(default)s)"
     )
-    add_engine_args(data)
+    add_engine_args(data, _UNUSED_ENGINE_FLAGS["data"])
     data.set_defaults(func=_data, max_num_seqs=16)
 
     train = sub.add_parser("train", help="train a DFlash / DFlash 2 drafter against the target")
@@ -505,18 +520,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between held-out evaluations: teacher-forced τ and top-1, logged and plotted "
         "(0 = never; default: %(default)s)",
     )
-    add_engine_args(train)
+    add_engine_args(train, _UNUSED_ENGINE_FLAGS["train"])
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="acceptance length, per-position acceptance and recall of a drafter")
     ev.add_argument("--out", type=Path, required=True, help="folder for eval.json, eval.md and acceptance.png")
     ev.add_argument("--data", type=Path, default=None, help="`dflash2 data` folder (held-out prompts, recall)")
-    ev.add_argument("--sets", nargs="*", default=None, help="heldout humaneval math multiturn (default: all)")
+    ev.add_argument(
+        "--sets",
+        nargs="+",
+        choices=PROMPT_SETS,
+        default=None,
+        help="prompt sets (default: all; heldout needs --data)",
+    )
     ev.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures (default: %(default)s)"
     )
     ev.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16], help="block sizes (default: %(default)s)")
-    ev.add_argument("--num-prompts", type=int, default=16, help="prompts per set")
+    ev.add_argument("--num-prompts", type=int, default=16, help="prompts per set (default: %(default)s)")
     ev.add_argument(
         "--num-recall-sequences",
         type=int,
@@ -524,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out conversations for Recall@k and the teacher-forced tau; 0 skips them (default: %(default)s)",
     )
     ev.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default: %(default)s)")
-    add_engine_args(ev)
+    add_engine_args(ev, _UNUSED_ENGINE_FLAGS["eval"])
     ev.set_defaults(func=_eval)
 
     from server.settings import add_server_args  # standard library only: no FastAPI while parsing

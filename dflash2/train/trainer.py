@@ -239,6 +239,8 @@ class Trainer:
         saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # older runs lack newer fields
         if saved != asdict(self.config):
             changed = {k for k, v in asdict(self.config).items() if saved.get(k) != v}
+            if saved["distill_weight"] == self.config.distill_weight == 0:
+                changed.discard("distill_top_k")  # unused without distillation
             if changed - RESUMABLE_CHANGES:
                 raise ValueError(f"{self.checkpoint_path} was trained with other settings ({sorted(changed)})")
         self.drafter.load_state_dict(state["drafter"])

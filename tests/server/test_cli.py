@@ -106,3 +106,28 @@ def _status(url: str) -> int:
         return httpx.get(url, timeout=2).status_code
     except httpx.TransportError:
         return 0
+
+
+def test_training_commands_offer_only_the_engine_flags_they_use(capsys):
+    parser = dflash2_parser()
+    for argv in (
+        ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--block-size", "4"],  # --train-block-size is meant
+        ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--no-selector"],  # --no-train-selector
+        ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--drafter", "x"],  # --init-drafter
+        ["data", "--out", "d", "--block-size", "4"],
+        ["eval", "--out", "o", "--sets", "heldot"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    args = parser.parse_args(["train", "--data", "d", "--run-dir", "r", "--out", "o", "--dtype", "float32"])
+    config = engine_config_from_args(args)
+    assert config.dtype == "float32" and config.drafter is None and config.block_size is None
+    args = parser.parse_args(["eval", "--out", "o", "--drafter", "x", "--no-selector", "--max-num-seqs", "2"])
+    config = engine_config_from_args(args)
+    assert (config.drafter, config.use_selector, config.max_num_seqs) == ("x", False, 2)
+
+
+def test_eval_of_the_heldout_set_needs_a_data_folder(capsys, tmp_path):
+    args = dflash2_parser().parse_args(["eval", "--out", str(tmp_path), "--sets", "heldout"])
+    assert args.func(args) == 2
+    assert "--data" in capsys.readouterr().err
