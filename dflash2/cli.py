@@ -114,7 +114,7 @@ class _FilteredGroup:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen ``EngineConfig`` from parsed flags (defaults for flags a subcommand lacks)."""
-    names = ("model", "drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len")
+    names: tuple[str, ...] = ("model", "drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len")
     names += ("device", "dtype", "seed", "num_threads")
     return EngineConfig(**{name: getattr(args, name, getattr(_DEFAULTS, name)) for name in names})
 
