@@ -292,7 +292,7 @@ def _eval(args: argparse.Namespace) -> int:
                 )
                 results[f"{name}/{temperature:g}/{block_size}"] = r.to_dict()
                 print(f"{name:10s} T={temperature:g} B={block_size:2d}: tau {r.tau:.2f}", file=sys.stderr)
-    recall, forced_tau = None, None
+    recall, forced_tau, chained_tau = None, None, None
     dataset = TokenDataset.load(args.data / "dataset.safetensors") if args.data is not None else None
     if dataset is not None and args.num_recall_sequences > 0 and dataset.indices(heldout=True):
         heldout = dataset.subset(dataset.indices(heldout=True)[: args.num_recall_sequences])
@@ -301,9 +301,17 @@ def _eval(args: argparse.Namespace) -> int:
             drafter, heldout, features, max_sequences=args.num_recall_sequences, use_selector=engine_config.use_selector
         )
         recall, forced_tau = forced.recall, forced.tau
-    summary = {"acceptance": results, "recall": recall, "teacher_forced_tau": forced_tau}
+        chained_tau = evaluate.chained_teacher_forced(
+            drafter, heldout, features, args.num_prompts, args.max_tokens, engine_config.use_selector
+        ).tau
+    summary = {
+        "acceptance": results,
+        "recall": recall,
+        "teacher_forced_tau": forced_tau,
+        "chained_teacher_forced_tau": chained_tau,
+    }
     (args.out / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
-    table = evaluate.markdown_table(results, recall, forced_tau)
+    table = evaluate.markdown_table(results, recall, forced_tau, chained_tau)
     (args.out / "eval.md").write_text(table)
     evaluate.plot_acceptance({k: v for k, v in results.items() if "/0/" in k}, recall, args.out / "acceptance.png")
     print(table)

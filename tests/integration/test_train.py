@@ -11,7 +11,7 @@ from dflash2 import LLM, SamplingParams
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.train.data import TokenDataset
-from dflash2.train.evaluate import teacher_forced
+from dflash2.train.evaluate import chained_teacher_forced, teacher_forced
 from dflash2.train.features import extract_features
 from dflash2.train.trainer import TrainConfig, Trainer
 from tests.tiny import tiny_engine, tiny_target
@@ -78,6 +78,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     spec = LLM.from_engine(tiny_engine(target, drafter.eval(), 4)).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in ar]
     _teacher_forced_tau_matches_the_engine(target, drafter, dataset, trainer.features)
+    _chained_teacher_forced_steps_match_a_decode(target, drafter, dataset, trainer.features)
 
 
 def _teacher_forced_tau_matches_the_engine(target, drafter, dataset, features) -> None:
@@ -105,6 +106,28 @@ def _teacher_forced_tau_matches_the_engine(target, drafter, dataset, features) -
     assert forced.tau == pytest.approx(sum(lengths) / len(lengths))
     assert 1.0 < forced.tau < block_size  # the check is not vacuous: some drafts accepted, some rejected
     assert 0.0 < forced.recall[1][0] <= forced.recall[16][0] <= 1.0
+
+
+def _chained_teacher_forced_steps_match_a_decode(target, drafter, dataset, features) -> None:
+    """Walking the teacher-forced blocks along a decode's anchors gives the decode's verify steps."""
+    chained = chained_teacher_forced(drafter, dataset, features, max_tokens=1000)
+    llm = LLM.from_engine(tiny_engine(target, drafter, drafter.config.block_size, max_num_seqs=1))
+    decoded_steps = []
+    for i in dataset.indices(heldout=True):
+        ids, mask = dataset.sequence(i)
+        start = int(mask.nonzero()[0])
+        steps: list[int] = []
+        params = SamplingParams(max_tokens=len(ids) - start, temperature=0.0, ignore_eos=True)
+        out = llm.generate(
+            [ids[:start].tolist()], params, on_step=lambda r, steps=steps: steps.extend(r.stats.acceptance_lengths)
+        )
+        assert out[0].token_ids == ids[start:].tolist()  # the answers are the target's greedy output
+        decoded_steps.append(steps)
+    assert len(chained.steps) == len(decoded_steps) == 2
+    for forced, decoded in zip(chained.steps, decoded_steps):
+        # The first answer token comes from prefill; the last step may be cut by max_tokens.
+        assert forced[:-1] == decoded[: len(forced) - 1] and len(forced) == len(decoded)
+    assert 1.0 < chained.tau < drafter.config.block_size
 
 
 def _one_layer_config(**overrides) -> TrainConfig:
