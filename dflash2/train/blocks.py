@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from dflash2.models.drafter import draft_vocab_indices
 from dflash2.selector import SelectorWeights
+from dflash2.train.features import SoftLabels
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -77,13 +78,12 @@ def make_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float | None = None,
-    soft_logprobs: torch.Tensor | None = None,
-    soft_ids: torch.Tensor | None = None,
+    soft_labels: SoftLabels | None = None,
 ) -> Blocks:
     """Block inputs, same-position labels and weights (spec §7: slot k predicts ``x_{a+k}``).
 
-    ``soft_logprobs`` / ``soft_ids`` (``[S, k]``, row t = the target's distribution of token
-    t + 1, see ``features.SoftLabels``) add each slot's soft label for distillation.
+    ``soft_labels`` (``[S, k]`` of this sequence, row t = the target's distribution of token
+    t + 1) add each slot's soft label for distillation.
     """
     seq_len = input_ids.shape[0]
     positions = anchors[:, None] + torch.arange(block_size)[None]  # [n, B]
@@ -94,9 +94,9 @@ def make_blocks(
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, 0] = input_ids[anchors]
     blocks = Blocks(anchors, block_ids, labels, weights.float())
-    if soft_logprobs is not None and soft_ids is not None:
+    if soft_labels is not None:
         rows = (positions - 1).clamp(min=0, max=seq_len - 1)  # slot k's label x_{a+k} is predicted at a+k−1
-        blocks.soft_logprobs, blocks.soft_ids = soft_logprobs[rows], soft_ids[rows].long()
+        blocks.soft_logprobs, blocks.soft_ids = soft_labels.logprobs[rows], soft_labels.ids[rows].long()
     return blocks
 
 
@@ -152,7 +152,8 @@ def block_losses(
         learnable = index >= 0
         targets = index.clamp(min=0)
     ce_weights = weights * learnable
-    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(labels)
+    log_q = torch.log_softmax(logits, dim=-1)  # shared by the hard and the soft CE
+    ce = -log_q.gather(-1, targets[..., None])[..., 0]
     candidates = logits.detach().topk(top_k, dim=-1).indices  # [n, J, k]
     hit = (candidates == targets[..., None]) & learnable[..., None]  # [n, J, k]
     in_topk = hit.any(-1) & valid
@@ -181,14 +182,14 @@ def block_losses(
         topk=in_topk.sum(0).float(),
         selector_top1=selector_top1,
         count=valid.sum(0).float(),
-        distill_loss=(ce_weights * _soft_cross_entropy(logits, blocks, draft_vocab)).sum()
+        distill_loss=(ce_weights * _soft_cross_entropy(log_q, blocks, draft_vocab)).sum()
         if blocks.soft_ids is not None
         else zero,
     )
 
 
-def _soft_cross_entropy(logits: torch.Tensor, blocks: Blocks, draft_vocab: torch.Tensor | None) -> torch.Tensor:
-    """``[n, J]`` CE of the drafter's ``logits [n, J, V or Vd]`` against the blocks' soft labels."""
+def _soft_cross_entropy(log_q: torch.Tensor, blocks: Blocks, draft_vocab: torch.Tensor | None) -> torch.Tensor:
+    """``[n, J]`` CE of the drafter's log-probabilities ``log_q [n, J, V or Vd]`` against the blocks' soft labels."""
     assert blocks.soft_ids is not None and blocks.soft_logprobs is not None
     ids, logprobs = blocks.soft_ids[:, 1:], blocks.soft_logprobs[:, 1:].float()  # [n, J, k]
     covered = torch.ones_like(ids, dtype=torch.bool)
@@ -197,4 +198,4 @@ def _soft_cross_entropy(logits: torch.Tensor, blocks: Blocks, draft_vocab: torch
         covered = ids >= 0
         ids = ids.clamp(min=0)
     target = torch.softmax(logprobs.masked_fill(~covered, -math.inf), dim=-1).nan_to_num(0.0)
-    return -(target * torch.log_softmax(logits, dim=-1).gather(-1, ids)).sum(-1)
+    return -(target * log_q.gather(-1, ids)).sum(-1)

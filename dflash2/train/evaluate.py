@@ -28,7 +28,7 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.request import StepResult, mean_acceptance_length
 from dflash2.sampling import SamplingParams
-from dflash2.train.blocks import make_blocks, sample_anchors
+from dflash2.train.blocks import Blocks, make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
 
 logger = logging.getLogger(__name__)
@@ -204,24 +204,42 @@ def teacher_forced(
         if len(anchors) == 0:
             continue
         blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
-        a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
-        features_i = features[a:b].to(drafter.device, drafter.dtype)
-        hidden = drafter.forward_blocks(features_i, blocks.block_ids, blocks.anchors)[:, 1:]
-        logits = drafter.logits(hidden)
+        logits, lengths = _greedy_blocks(drafter, blocks, _features_of(dataset, features, i, drafter), use_selector)
         ranked = drafter.token_ids(logits.topk(max(ks), dim=-1).indices)  # [n, J, kmax]
         labels, valid = blocks.labels[:, 1:], blocks.weights[:, 1:] > 0
         count += valid.sum(0)
         for k in ks:
             hits[k] += ((ranked[..., :k] == labels[..., None]).any(-1) & valid).sum(0)
-        n = len(anchors)
-        greedy, uniforms = torch.zeros(n), torch.zeros(n, num_slots)
-        anchor_ids = blocks.block_ids[:, 0]
-        path = drafter.propose(hidden, logits, anchor_ids, greedy, uniforms, use_selector)
-        correct = (path.draft_ids == labels) & valid
-        accepted += int(correct.long().cumprod(dim=1).sum())
-        num_blocks += n
+        accepted += int(lengths.sum())
+        num_blocks += len(anchors)
     recall = {k: (hits[k] / count.clamp(min=1)).tolist() for k in ks}
     return TeacherForced(recall, 1.0 + accepted / num_blocks if num_blocks else 0.0, num_blocks)
+
+
+def _features_of(dataset: TokenDataset, features: torch.Tensor, i: int, drafter: DFlashDrafter) -> torch.Tensor:
+    """Conversation ``i``'s rows of ``features``, on the drafter's device and dtype."""
+    a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
+    return features[a:b].to(drafter.device, drafter.dtype)
+
+
+def _greedy_blocks(
+    drafter: DFlashDrafter, blocks: Blocks, features: torch.Tensor, use_selector: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft every block greedily against its teacher-forced context.
+
+    Returns:
+        ``(logits [n, J, V or Vd], accepted [n])``: the unary logits of slots 1..B−1 and the
+        length of the leading run of drafts equal to the labels — what greedy verification
+        accepts from that anchor when the labels are the target's greedy output.
+    """
+    hidden = drafter.forward_blocks(features, blocks.block_ids, blocks.anchors)[:, 1:]
+    logits = drafter.logits(hidden)
+    n, num_slots = blocks.labels.shape[0], blocks.labels.shape[1] - 1
+    path = drafter.propose(
+        hidden, logits, blocks.block_ids[:, 0], torch.zeros(n), torch.zeros(n, num_slots), use_selector
+    )
+    correct = (path.draft_ids == blocks.labels[:, 1:]) & (blocks.weights[:, 1:] > 0)
+    return logits, correct.long().cumprod(dim=1).sum(dim=1)
 
 
 @dataclass
@@ -273,18 +291,9 @@ def chained_teacher_forced(
         start = end = int(answer[0])
         while end < len(ids) and end - start < max_tokens and bool(mask[end]):
             end += 1
-        anchors = torch.arange(start, end)
-        blocks = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
-        a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
-        hidden = drafter.forward_blocks(features[a:b].to(drafter.device, drafter.dtype), blocks.block_ids, anchors)
-        hidden = hidden[:, 1:]
-        logits = drafter.logits(hidden)
-        n = len(anchors)
-        path = drafter.propose(
-            hidden, logits, blocks.block_ids[:, 0], torch.zeros(n), torch.zeros(n, c.block_size - 1), use_selector
-        )
-        correct = (path.draft_ids == blocks.labels[:, 1:]) & (blocks.weights[:, 1:] > 0)
-        accepted = correct.long().cumprod(dim=1).sum(dim=1).tolist()
+        blocks = make_blocks(ids, mask, torch.arange(start, end), c.block_size, c.mask_token_id)
+        _, lengths = _greedy_blocks(drafter, blocks, _features_of(dataset, features, i, drafter), use_selector)
+        accepted = lengths.tolist()
         steps, position = [], start
         while position < end - 1:  # the block at ``position`` commits the tokens after it, up to the end
             steps.append(min(accepted[position - start] + 1, end - 1 - position))

@@ -89,9 +89,7 @@ def extract_features(
         batch = ForwardBatch.build(list(range(len(rows))), rows, [0] * len(rows), device)
         logits, features = target.run(batch, cache, layer_ids, last_only=soft is None)
         assert features is not None
-        top = None
-        if soft is not None:
-            top = torch.log_softmax(logits, dim=-1).topk(soft_label_k, dim=-1)
+        top = torch.log_softmax(logits, dim=-1).topk(soft_label_k, dim=-1) if soft is not None else None
         for r, i in enumerate(batch_ids):
             a, b = int(dataset.offsets[i]), int(dataset.offsets[i + 1])
             out[a:b] = features[r, : b - a].to("cpu", torch.float16)

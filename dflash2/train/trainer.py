@@ -238,7 +238,7 @@ class Trainer:
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
         saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # older runs lack newer fields
         if saved != asdict(self.config):
-            changed = {k for k, v in asdict(self.config).items() if saved.get(k) != v}
+            changed = {k for k, v in asdict(self.config).items() if saved[k] != v}
             if saved["distill_weight"] == self.config.distill_weight == 0:
                 changed.discard("distill_top_k")  # unused without distillation
             if changed - RESUMABLE_CHANGES:
@@ -295,17 +295,7 @@ class Trainer:
             soft = None
             if self.soft_labels is not None:
                 soft = self.soft_labels[int(self.dataset.offsets[i]) : int(self.dataset.offsets[i + 1])]
-            blocks = make_blocks(
-                ids,
-                mask,
-                anchors,
-                c.block_size,
-                c.mask_token_id,
-                self.config.gamma,
-                None if soft is None else soft.logprobs,
-                None if soft is None else soft.ids,
-            )
-            picked.append((i, blocks))
+            picked.append((i, make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id, self.config.gamma, soft)))
             total += len(anchors)
         return picked
 

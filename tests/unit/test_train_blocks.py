@@ -9,6 +9,7 @@ import math
 import torch
 
 from dflash2.train.blocks import Blocks, block_losses, make_blocks, sample_anchors, slot_weights
+from dflash2.train.features import SoftLabels
 from dflash2.train.trainer import read_training_log
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
@@ -117,7 +118,9 @@ def test_soft_labels_align_with_slots_and_one_hot_soft_labels_give_the_hard_loss
     soft_ids = torch.stack([torch.roll(ids, -1), ids, ids], dim=1).int()
     one_hot = torch.tensor([0.0, -30.0, -30.0]).expand(seq_len, k).half()
     anchors = torch.tensor([2, 9])
-    blocks = make_blocks(ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, one_hot, soft_ids)
+    blocks = make_blocks(
+        ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, SoftLabels(one_hot, soft_ids)
+    )
     assert torch.equal(blocks.soft_ids[:, 1:, 0], blocks.labels[:, 1:])
     hidden = drafter.forward_blocks(features, blocks.block_ids, blocks.anchors)[:, 1:]
     logits = drafter.logits(hidden)
@@ -125,7 +128,9 @@ def test_soft_labels_align_with_slots_and_one_hot_soft_labels_give_the_hard_loss
     torch.testing.assert_close(terms.distill_loss, terms.base_loss, atol=1e-4, rtol=1e-4)
     # A spread soft label: Σ w · (−Σ_i p_i log q_i) over the slots.
     spread = torch.log(torch.tensor([0.5, 0.25, 0.25])).expand(seq_len, k).half()
-    blocks_spread = make_blocks(ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, spread, soft_ids)
+    blocks_spread = make_blocks(
+        ids, torch.ones(seq_len, dtype=torch.bool), anchors, 8, 95, None, SoftLabels(spread, soft_ids)
+    )
     p = torch.tensor([0.5, 0.25, 0.25])
     log_q = torch.log_softmax(logits.float(), -1).gather(-1, blocks_spread.soft_ids[:, 1:])
     expected = (blocks.weights[:, 1:] * -(p * log_q).sum(-1)).sum()
