@@ -9,6 +9,8 @@ STAMP := $(VENV)/.dflash2-installed
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# What pytest collects; TESTS="tests/unit tests/server" for a subset.
+TESTS ?= tests
 # Threads per test process; TEST_THREADS=1 when other work shares the cores.
 TEST_THREADS ?= 2
 
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check dflash2 server tests

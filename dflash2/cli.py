@@ -550,7 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-recall-sequences",
         type=int,
         default=64,
-        help="held-out conversations for Recall@k and the teacher-forced tau; 0 skips them (default: %(default)s)",
+        help="held-out conversations for Recall@k and the teacher-forced tau (the chained tau uses the first "
+        "--num-prompts of them); 0 skips them (default: %(default)s)",
     )
     ev.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default: %(default)s)")
     add_engine_args(ev, _UNUSED_ENGINE_FLAGS["eval"])

