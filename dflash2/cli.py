@@ -37,8 +37,8 @@ def default_log_level() -> str:
 # mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
 _UNUSED_ENGINE_FLAGS = {
     "data": ("drafter", "block_size", "use_selector", "seed"),
-    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed"),
-    "eval": ("block_size", "max_model_len", "seed"),
+    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed", "enforce_eager"),
+    "eval": ("block_size", "max_model_len", "seed", "enforce_eager"),
 }
 
 
@@ -92,6 +92,12 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
     )
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=_DEFAULTS.enforce_eager,
+        help="run every forward eagerly (default: compiled decode and draft forwards, cached between runs)",
+    )
+    g.add_argument(
         "--threads",
         dest="num_threads",
         type=int,
@@ -115,7 +121,7 @@ class _FilteredGroup:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen ``EngineConfig`` from parsed flags (defaults for flags a subcommand lacks)."""
     names: tuple[str, ...] = ("model", "drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len")
-    names += ("device", "dtype", "seed", "num_threads")
+    names += ("device", "dtype", "seed", "num_threads", "enforce_eager")
     return EngineConfig(**{name: getattr(args, name, getattr(_DEFAULTS, name)) for name in names})
 
 

@@ -276,6 +276,9 @@ class EngineConfig:
         device, dtype: where and in what precision weights and caches live.
         seed: seeds the per-request generators of requests that give no seed.
         num_threads: torch intra-op threads on CPU (None = leave as is).
+        enforce_eager: run every forward eagerly; by default the verify / decode forward and
+            the drafter's block are compiled (inductor on CPU, CUDA graphs on CUDA) and fall
+            back to eager mode with a warning when compilation fails (docs/engine.md).
     """
 
     model: str | None = None
@@ -288,6 +291,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:

@@ -24,9 +24,8 @@ import torch
 
 from dflash2.config import EngineConfig
 from dflash2.models.base import Target
-from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
-from dflash2.models.layers import can_prepack
+from dflash2.runner import ModelRunner
 from dflash2.request import (
     FinishReason,
     Request,
@@ -52,7 +51,8 @@ class ContextLengthExceededError(ValueError):
 class _Verified:
     """What one verify forward decided, for the commit phase."""
 
-    batch: ForwardBatch
+    slots: list[int]
+    starts: list[int]  # cached length of each row before the verify forward
     logits: torch.Tensor  # [R, L, V] raw target logits
     features: torch.Tensor | None  # [R, L, F·H]
     draft_lists: list[list[int]]
@@ -92,18 +92,16 @@ class Engine:
         self.device: torch.device = embed_weight.device
         self.vocab_size = int(embed_weight.shape[0])
         self.block_size = self._resolve_block_size()
-        if can_prepack(self.device, embed_weight.dtype):
-            packed = target.prepack() + (drafter.prepack() if drafter is not None else 0)
-            logger.info("pre-packed %d linear layers for oneDNN (CPU, bfloat16)", packed)
         self.max_model_len = config.max_model_len or min(
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
         )
-        self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if drafter and self.is_speculative else ()
-        self.target_cache = target.new_cache(config.max_num_seqs, self.max_model_len)
-        self.draft_cache = (
-            drafter.new_cache(config.max_num_seqs, self.max_model_len, drafter.dtype, self.device)
-            if drafter is not None and self.is_speculative
-            else None
+        self.runner = ModelRunner(
+            target,
+            drafter if self.is_speculative else None,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            enforce_eager=config.enforce_eager,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
         self._seed_source = torch.Generator().manual_seed(config.seed)
@@ -159,6 +157,16 @@ class Engine:
     def is_speculative(self) -> bool:
         """True when steps draft blocks (block size > 1)."""
         return self.block_size > 1
+
+    @property
+    def target_cache(self) -> Any:
+        """The target's KV cache (owned by the runner)."""
+        return self.runner.target_cache
+
+    @property
+    def draft_cache(self) -> Any:
+        """The drafter's context cache (owned by the runner), or None without speculation."""
+        return self.runner.draft_cache
 
     def _log_memory(self) -> None:
         target_bytes = self.target_cache.nbytes
@@ -284,8 +292,7 @@ class Engine:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction (0–1) of target KV positions holding committed tokens."""
-        lengths = self.target_cache.lengths
-        return sum(lengths) / (len(lengths) * self.max_model_len)
+        return self.runner.kv_cache_usage
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -307,9 +314,7 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         if request.slot is not None:
-            self.target_cache.free(request.slot)
-            if self.draft_cache is not None:
-                self.draft_cache.free(request.slot)
+            self.runner.free(request.slot)
         self.scheduler.remove(request)
 
     # ---- prefill --------------------------------------------------------------------------------
@@ -318,43 +323,25 @@ class Engine:
         """Run the prompts through the target, write drafter context, sample each first token."""
         now = time.monotonic()
         slots = [self._slot(r) for r in requests]
-        batch = ForwardBatch.build(slots, [r.prompt_ids for r in requests], [0] * len(requests), self.device)
-        logits, features = self.target.run(batch, self.target_cache, self.capture_layer_ids, last_only=True)
+        prompts = [r.prompt_ids for r in requests]
+        logits, features = self.runner.prefill(slots, prompts, [0] * len(requests))
         for r in requests:
             r.scheduled_time = now
             r.num_cached = len(r.prompt_ids)
-            self.target_cache.rollback(self._slot(r), r.num_cached)
+            self.runner.rollback(self._slot(r), r.num_cached)
         if features is not None:
-            self._append_context(batch.slots, batch.starts, features, batch.lengths)
+            self.runner.append_context(slots, [0] * len(requests), features, [len(p) for p in prompts])
         probs = target_probs(logits, self._logits_context(requests), logits.new_zeros(len(requests), 0).long())
         uniforms = torch.stack([self._uniforms(r, 1) for r in requests])[:, 0].to(self.device)
         first_ids = sample_from_probs(probs[:, 0], uniforms).tolist()
         stats.num_prefills += len(requests)
-        stats.num_prefill_tokens += sum(batch.lengths)
+        stats.num_prefill_tokens += sum(len(p) for p in prompts)
         outputs = []
         for i, request in enumerate(requests):
             request.first_token_time = time.monotonic()
             logprob_rows = logits[i, :1] if request.params.logprobs is not None else None
             outputs.append(self._output(request, *self._commit_tokens(request, [first_ids[i]], logprob_rows, stats)))
         return outputs
-
-    def _append_context(
-        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
-    ) -> None:
-        """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
-
-        Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context
-        covers every position whose target feature is known (spec §10 cache discipline).
-        """
-        assert self.drafter is not None and self.draft_cache is not None
-        width = features.shape[1]
-        offsets = torch.arange(width, device=self.device)[None]
-        keep = offsets < torch.tensor(lengths, device=self.device)[:, None]  # [R, L]
-        positions = torch.tensor(starts, device=self.device)[:, None] + offsets
-        flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
-        self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
-        for slot, start, n in zip(slots, starts, lengths):
-            self.draft_cache.rollback(slot, start + n)
 
     # ---- draft + select -------------------------------------------------------------------------
 
@@ -368,9 +355,7 @@ class Engine:
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        slots = [self._slot(r) for r in rows]
-        hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchors, starts, self.block_size)[:, 1:]
-        logits = self.drafter.logits(hidden)  # the anchor position is not drafted
+        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts)
         stats.draft_time += time.perf_counter() - start
         return hidden, logits
 
@@ -400,8 +385,8 @@ class Engine:
         draft_ids = proposal.draft_ids[:, :width]
         draft_lists = draft_ids.tolist()
         tokens = [[r.output_ids[-1], *draft_lists[i][: num_drafts[i]]] for i, r in enumerate(rows)]
-        batch = ForwardBatch.build([self._slot(r) for r in rows], tokens, [r.num_cached for r in rows], self.device)
-        logits, features = self.target.run(batch, self.target_cache, self.capture_layer_ids)
+        slots, starts = [self._slot(r) for r in rows], [r.num_cached for r in rows]
+        logits, features = self.runner.verify(slots, tokens, starts)
         probs = target_probs(logits, self._logits_context(rows), draft_ids)
         num_slots = self.block_size - 1
         uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
@@ -415,7 +400,7 @@ class Engine:
             uniforms[:, num_slots],
         )
         stats.verify_time += time.perf_counter() - start
-        return _Verified(batch, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist())
+        return _Verified(slots, starts, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist())
 
     def _commit(self, rows: list[Request], verified: _Verified, stats: StepStats) -> list[RequestOutput]:
         """Roll back each row to its accepted prefix, apply stops, count, and extend the drafter context."""
@@ -428,7 +413,7 @@ class Engine:
             acc = verified.num_accepted[i]
             # Keep the anchor and the accepted drafts; the new anchor (bonus or correction) is not cached yet.
             request.num_cached += acc + 1
-            self.target_cache.rollback(self._slot(request), request.num_cached)
+            self.runner.rollback(self._slot(request), request.num_cached)
             emitted = [*verified.draft_lists[i][:acc], verified.next_ids[i]]
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self._commit_tokens(request, emitted, logprob_rows, stats)
@@ -437,10 +422,9 @@ class Engine:
         live = [i for i, r in enumerate(rows) if not r.is_finished]
         if self.is_speculative and verified.features is not None and live:
             # The anchor's and accepted drafts' features become drafter context (spec §5.4).
-            batch = verified.batch
-            self._append_context(
-                [batch.slots[i] for i in live],
-                [batch.starts[i] for i in live],
+            self.runner.append_context(
+                [verified.slots[i] for i in live],
+                [verified.starts[i] for i in live],
                 verified.features[torch.tensor(live, device=self.device)],
                 [verified.num_accepted[i] + 1 for i in live],
             )

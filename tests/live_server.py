@@ -38,7 +38,9 @@ class SmolLM2:
         if drafter == "untrained":
             drafter = untrained_default_drafter(self.target, torch.float32, torch.device("cpu"))
         defaults = {"max_num_seqs": REAL_MAX_NUM_SEQS, "max_model_len": REAL_MAX_MODEL_LEN}
-        engine_config = EngineConfig(block_size=block_size, device="cpu", dtype="float32", **{**defaults, **config})
+        engine_config = EngineConfig(
+            block_size=block_size, device="cpu", dtype="float32", enforce_eager=True, **{**defaults, **config}
+        )
         return Engine(
             engine_config, self.target, self.tokenizer, drafter, self.eos_token_ids, source.EMBEDDED_MODEL_NAME
         )

@@ -80,9 +80,12 @@ def tiny_engine(
     block_size: int | None = None,
     max_num_seqs: int = 4,
     eos: tuple[int, ...] = (),
+    enforce_eager: bool = True,
     **kwargs,
 ) -> Engine:
+    """A float32 CPU engine; eager unless ``enforce_eager=False`` (compiling takes seconds)."""
     config = EngineConfig(
+        enforce_eager=enforce_eager,
         block_size=block_size if drafter is not None else 1,
         max_num_seqs=max_num_seqs,
         max_model_len=256,
@@ -100,6 +103,8 @@ class OracleDrafter(DFlashDrafter):
     request in that slot will produce; the drafter proposes ``reference[s+1 : s+B]`` for a
     block anchored at position s, so acceptance is high and full blocks are exercised.
     """
+
+    supports_compile = False  # it overrides draft_hidden and logits
 
     def __init__(self, config: DrafterConfig, references: dict[int, list[int]], error_rate: float, seed: int = 0):
         super().__init__(config)

@@ -212,6 +212,10 @@ class DFlashDrafter(nn.Module):
     Use :meth:`bind_target` before drafting to share the target's embedding and LM head.
     """
 
+    # The model runner may compile a static copy of :meth:`draft_hidden` + :meth:`logits`;
+    # a subclass that overrides them sets this to False.
+    supports_compile = True
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config

@@ -1,0 +1,549 @@
+"""The model runner: the target, the drafter, their KV caches, and the forwards of one step.
+
+``ModelRunner`` runs prefill, draft, verify and the drafter's context append on tensors, so
+``Engine.step`` only schedules, accepts and commits. Decode-time forwards (verify, the
+autoregressive step, the drafter's block) run through compiled static-shape modules
+(:class:`StaticTarget`, :class:`StaticDrafter`) unless ``EngineConfig.enforce_eager``:
+
+* **CPU**: ``torch.compile`` with inductor and weight freezing (constant-folded, oneDNN
+  pre-packed weights), as gpt-fast does. Positions, slots and the key range are tensors, so
+  one graph serves every batch size ≥ 2, another batch size 1, and every KV length (dynamic
+  shapes); the attention reads only ``[0, T)`` of each slot, T rounded up to
+  :data:`KEY_ALIGN`. Compiled graphs are cached in ``<dflash2 cache>/inductor``.
+* **CUDA**: the same modules compiled with ``mode="reduce-overhead"`` (CUDA graphs), with
+  rows and key lengths padded to buckets so the number of recorded graphs stays bounded.
+* Anything else (the transformers fallback target, a drafter that overrides its forward, a
+  failed compilation) runs eagerly, with pre-packed CPU bfloat16 linears where possible.
+
+Prefill stays eager: prompts have any length, and a prompt's forward is compute-bound.
+
+Static shapes: every row of a verify forward is padded to the same query length; padding
+tokens write their K/V into a spare *scratch slot* (one more than ``max_num_seqs``), so they
+never touch a live slot, and a real query at position p sees exactly the keys ``≤ p`` of
+its own slot — committed tokens and the tokens of this forward. Rollback stays an integer
+per slot (``KVCache.lengths``).
+
+Dimension letters: R rows, L query tokens per row, T key positions, H hidden, V vocab,
+F·H captured features, J = B − 1 drafted slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.kv_cache import KVCache
+from dflash2.models.batch import ForwardBatch
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.layers import apply_rope, attention, can_prepack, softcap
+from dflash2.models.llama import TargetModel
+
+logger = logging.getLogger(__name__)
+
+# Key lengths are rounded up to a multiple of this (CPU), so attention reads little past the
+# longest row while dynamic shapes keep one graph for all lengths.
+KEY_ALIGN = 64
+# CUDA graphs replay fixed shapes: rows are padded to one of these batch sizes (≤ max_num_seqs)
+# and key lengths to a power of two of at least CUDA_MIN_KEYS.
+CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CUDA_MIN_KEYS = 256
+
+
+def _bucket_rows(num_rows: int, max_rows: int) -> int:
+    return next((b for b in CUDA_ROW_BUCKETS if b >= num_rows), max_rows)
+
+
+def key_length(max_end: int, capacity: int, cuda: bool) -> int:
+    """Keys a forward attends over: ``max_end`` (the longest row's end) rounded up to
+    :data:`KEY_ALIGN` on CPU or to a power of two ≥ :data:`CUDA_MIN_KEYS` on CUDA, never past
+    ``capacity`` (the cache's positions)."""
+    if cuda:
+        length = CUDA_MIN_KEYS
+        while length < max_end:
+            length *= 2
+    else:
+        length = -(-max_end // KEY_ALIGN) * KEY_ALIGN
+    return min(length, capacity)
+
+
+class StaticTarget(nn.Module):
+    """A static-shape forward of a :class:`TargetModel` over per-slot caches, for compilation.
+
+    Shares the target's modules and weights; Q/K/V and gate/up projections are fused into one
+    matrix each (the checkpoint keeps its published names). The cache tensors are registered
+    as buffers (one per layer, views of the shared ``KVCache``), so a compiled forward writes
+    into the same memory that eager prefill uses.
+    """
+
+    def __init__(self, target: TargetModel, cache: KVCache, capture_layer_ids: Sequence[int]) -> None:
+        super().__init__()
+        layers = target.decoder_layers()
+        first = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.intermediate_size = layers[0].mlp.gate_proj.out_features
+        self.embed_tokens, self.norm, self.lm_head, self.rotary = (
+            target.embed_tokens,
+            target.norm,
+            target.lm_head,
+            target.rotary,
+        )
+        self.capture_layer_ids = tuple(capture_layer_ids)
+        self.windows = [layer.sliding_window for layer in layers]
+        self.layers = nn.ModuleList(_StaticLayer(layer) for layer in layers)
+        self.register_buffer("kv_heads", torch.arange(self.num_kv_heads, device=cache.k.device), persistent=False)
+        for i in range(len(layers)):
+            self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
+            self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        write_positions: torch.Tensor,
+        read_slots: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``input_ids [R, L]`` at ``positions [R, L]``; write their K/V at
+        ``(write_slots, write_positions) [R, L]``; attend over ``key_positions [T]`` of
+        ``read_slots [R]``.
+
+        Returns:
+            ``(logits [R, L, V] float32, features [R, L, F·H]`` — ``[R, L, 0]`` without capture).
+        """
+        num_rows, num_queries = input_ids.shape
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # [R, L, T]
+        masks: dict[int | None, torch.Tensor] = {}
+        index = (write_slots[:, :, None], self.kv_heads[None, None, :], write_positions[:, :, None])
+        captured = []
+        for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            if window not in masks:
+                mask = visible
+                if window is not None:
+                    mask = mask & (positions[:, :, None] - key_positions[None, None, :] < window)
+                masks[window] = mask[:, None]
+            x = layer.input_layernorm(h)
+            q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
+            q = q.view(num_rows, num_queries, self.num_heads, self.head_dim)
+            k = k.view(num_rows, num_queries, self.num_kv_heads, self.head_dim)
+            v = v.view(num_rows, num_queries, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)
+            k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)  # [R, L, nkv, d]
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            k_cache.index_put_(index, k.to(k_cache.dtype))
+            v_cache.index_put_(index, v.to(v_cache.dtype))
+            length = key_positions.shape[0]
+            keys = k_cache[read_slots, :, :length].to(q.dtype)
+            values = v_cache[read_slots, :, :length].to(q.dtype)
+            h = h + layer.o_proj(attention(q, keys, values, masks[window]))
+            gate, up = layer.gate_up(layer.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
+            h = h + layer.down_proj(F.silu(gate) * up)
+            if i in self.capture_layer_ids:
+                captured.append((i, h))
+        by_id = dict(captured)
+        features = (
+            torch.cat([by_id[i] for i in self.capture_layer_ids], dim=-1) if self.capture_layer_ids else h[..., :0]
+        )
+        return self.lm_head(self.norm(h)).float(), features
+
+
+class _StaticLayer(nn.Module):
+    """One decoder layer's weights with fused Q/K/V and gate/up projections (shared norms)."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        self.o_proj = attn.o_proj
+        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biases = [p.bias for p in parts]
+    has_bias = any(b is not None for b in biases)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        bias = [b.detach() if b is not None else weight.new_zeros(p.out_features) for p, b in zip(parts, biases)]
+        fused.bias = nn.Parameter(torch.cat(bias), requires_grad=False)
+    return fused
+
+
+class StaticDrafter(nn.Module):
+    """A static-shape drafting forward of a :class:`DFlashDrafter` (block + LM head), for compilation.
+
+    Shares the drafter's layers; the token embedding and the (draft-vocabulary) LM head are
+    registered as parameters so that freezing folds them; the context cache tensors are
+    buffers, one per layer.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache, block_size: int) -> None:
+        super().__init__()
+        assert drafter._target is not None, "bind_target() first"
+        self.config = drafter.config
+        self.block_size = block_size
+        self.layers = drafter.layers
+        self.norm, self.rotary = drafter.norm, drafter.rotary
+        self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
+        head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
+        self.head = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
+        self.dtype = drafter.dtype
+        self.register_buffer(
+            "block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False
+        )
+        for i in range(self.config.num_hidden_layers):
+            self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
+            self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
+
+    def forward(
+        self, anchor_ids: torch.Tensor, starts: torch.Tensor, read_slots: torch.Tensor, key_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft blocks ``[anchor, MASK × (B−1)]`` at ``starts [R]`` against context keys
+        ``key_positions [T]`` of ``read_slots [R]``.
+
+        Returns:
+            ``(hidden [R, J, H], logits [R, J, V or Vd] float32)`` of the drafted slots.
+        """
+        c = self.config
+        num_rows = anchor_ids.shape[0]
+        block_ids = torch.full_like(self.block_offsets, c.mask_token_id)[None].repeat(num_rows, 1)
+        block_ids[:, 0] = anchor_ids
+        h = (F.embedding(block_ids, self.embed) * c.input_embedding_scale).to(self.dtype)
+        positions = starts[:, None] + self.block_offsets[None]
+        cos, sin = self.rotary(positions, h.dtype)
+        context = key_positions[None, None, :] < starts[:, None, None]  # [R, 1, T]
+        block = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=h.device)
+        length = key_positions.shape[0]
+        for i, layer in enumerate(self.layers):
+            ctx = context
+            window = c.layer_window(i)
+            if window is not None:
+                ctx = ctx & (positions[:, :, None] - key_positions[None, None, :] < window)
+            blk = block.tril() if c.layer_is_causal(i) else block
+            mask = torch.cat([ctx.expand(-1, self.block_size, -1), blk[None].expand(num_rows, -1, -1)], dim=-1)
+            ctx_k = getattr(self, f"k_cache_{i}")[read_slots, :, :length]
+            ctx_v = getattr(self, f"v_cache_{i}")[read_slots, :, :length]
+            h = layer(h, cos, sin, ctx_k, ctx_v, mask[:, None])
+        hidden = self.norm(h)[:, 1:]
+        logits = F.linear(hidden, self.head).float()
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        return hidden, softcap(logits, c.final_logit_softcapping)
+
+
+def inductor_cache_dir() -> str:
+    """Where compiled graphs are cached: ``<dflash2 cache>/inductor`` (unless
+    ``$TORCHINDUCTOR_CACHE_DIR`` is set)."""
+    from dflash2.models.source import cache_dir
+
+    return str(cache_dir() / "inductor")
+
+
+def _configure_compiler(device: torch.device) -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # Ours unless the user chose one (torch writes its default into the environment when asked).
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    # A few graphs per module (batch 1, batch ≥ 2, CUDA buckets): never fall back silently.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 256)
+    # Sizes that happen to be equal at trace time (rows = query length) must stay independent.
+    fx_config.use_duck_shape = False
+    if device.type == "cpu":
+        inductor_config.freezing = True
+
+
+class ModelRunner:
+    """Owns the target, the drafter and their caches; runs one step's forwards.
+
+    Args:
+        target: the loaded target.
+        drafter: the drafter bound to it, or None (autoregressive decoding).
+        num_slots: KV slots (``max_num_seqs``); one scratch slot is added for padding.
+        max_model_len: positions per slot.
+        block_size: tokens per verify forward (1 = autoregressive).
+        enforce_eager: never compile.
+
+    After construction :attr:`compiled` says whether decode forwards are compiled; a failed
+    compilation logs a warning and leaves the runner eager.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        drafter: DFlashDrafter | None,
+        num_slots: int,
+        max_model_len: int,
+        block_size: int,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        embed_weight = target.embedding_weights()[0]
+        self.device: torch.device = embed_weight.device
+        self.dtype = embed_weight.dtype
+        self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
+        self.scratch_slot = num_slots
+        speculative = drafter is not None and block_size > 1
+        self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if speculative and drafter else ()
+        self.target_cache = target.new_cache(num_slots + 1, max_model_len)
+        self.draft_cache = (
+            drafter.new_cache(num_slots + 1, max_model_len, drafter.dtype, self.device)
+            if speculative and drafter is not None
+            else None
+        )
+        self._cuda = self.device.type == "cuda"
+        self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.compile_times: dict[str, float] = {}
+        if not enforce_eager and self.device.type in ("cpu", "cuda"):
+            self._compile()
+        if self._target_forward is None or (self.draft_cache is not None and self._draft_forward is None):
+            self._prepack_eager()
+
+    @property
+    def compiled(self) -> bool:
+        """True when the verify / decode forward is compiled."""
+        return self._target_forward is not None
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def _compile(self) -> None:
+        """Build, compile and warm up the static modules; on failure stay eager with a warning."""
+        _configure_compiler(self.device)
+        mode = "reduce-overhead" if self._cuda else None
+        start = time.perf_counter()
+        if isinstance(self.target, TargetModel):
+            try:
+                module = StaticTarget(self.target, self.target_cache, self.capture_layer_ids).eval()
+                forward = torch.compile(module, dynamic=not self._cuda, fullgraph=True, mode=mode)
+                self._target_forward = forward
+                self._warm_up("target", self._run_target_warmup)
+            except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
+                logger.warning("compiling the target failed, running it eagerly: %s", _short(error))
+                self._target_forward = None
+        else:
+            logger.info("the %s target runs eagerly (no static forward)", type(self.target).__name__)
+        if self.draft_cache is not None and self.drafter is not None and self.drafter.supports_compile:
+            try:
+                module = StaticDrafter(self.drafter, self.draft_cache, self.block_size).eval()
+                self._draft_forward = torch.compile(module, dynamic=not self._cuda, fullgraph=True, mode=mode)
+                self._warm_up("drafter", self._run_draft_warmup)
+            except Exception as error:  # noqa: BLE001
+                logger.warning("compiling the drafter failed, running it eagerly: %s", _short(error))
+                self._draft_forward = None
+        if self.compile_times:
+            logger.info(
+                "compiled %d graphs in %.1f s (cache: %s)",
+                len(self.compile_times),
+                time.perf_counter() - start,
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            )
+
+    def _warm_up(self, name: str, run: Callable[[int], None]) -> None:
+        """Compile the batch-1 and batch-≥2 graphs (every row bucket on CUDA) now, not mid-request."""
+        rows = [1, 2] if not self._cuda else [b for b in CUDA_ROW_BUCKETS if b <= _bucket_rows(self.num_slots, 256)]
+        for num_rows in dict.fromkeys(min(r, self.num_slots) if self._cuda else r for r in rows):
+            start = time.perf_counter()
+            run(num_rows)
+            elapsed = time.perf_counter() - start
+            self.compile_times[f"{name} rows={num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"] = elapsed
+            logger.info("compiled %s graph for %d row%s in %.1f s", name, num_rows, "s" * (num_rows > 1), elapsed)
+
+    def _run_target_warmup(self, num_rows: int) -> None:
+        # Everything goes to the scratch slot; two calls so CUDA graphs are recorded too.
+        width = self.block_size
+        for _ in range(2 if self._cuda else 1):
+            self._target_call(
+                [self.scratch_slot] * num_rows,
+                [[0] * width for _ in range(num_rows)],
+                [0] * num_rows,
+                write_to_scratch=True,
+            )
+
+    def _run_draft_warmup(self, num_rows: int) -> None:
+        for _ in range(2 if self._cuda else 1):
+            self._draft_call(
+                [self.scratch_slot] * num_rows,
+                torch.zeros(num_rows, dtype=torch.long, device=self.device),
+                torch.full((num_rows,), 1, dtype=torch.long, device=self.device),
+            )
+
+    def _prepack_eager(self) -> None:
+        """Pre-pack linear weights of the modules that run eagerly (CPU bfloat16 only)."""
+        if not can_prepack(self.device, self.dtype):
+            return
+        packed = 0
+        if self._target_forward is None:
+            packed += self.target.prepack()
+        if self.drafter is not None and self.draft_cache is not None and self._draft_forward is None:
+            packed += self.drafter.prepack()
+        if packed:
+            logger.info("pre-packed %d linear layers for oneDNN (CPU, bfloat16)", packed)
+
+    # ---- forwards -------------------------------------------------------------------------------
+
+    def prefill(
+        self, slots: list[int], token_rows: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eager forward over prompts: logits ``[R, 1, V]`` at each row's last token and the
+        captured features ``[R, L, F·H]`` (None without a drafter)."""
+        batch = ForwardBatch.build(slots, token_rows, starts, self.device)
+        return self.target.run(batch, self.target_cache, self.capture_layer_ids, last_only=True)
+
+    def verify(
+        self, slots: list[int], token_rows: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ONE target forward over each row's ``[anchor, drafts…]`` (rows may differ in length).
+
+        Returns:
+            logits ``[R, L, V]`` float32 (L = the longest row; padding positions hold garbage)
+            and features ``[R, L, F·H]`` or None.
+        """
+        if self._target_forward is None:
+            batch = ForwardBatch.build(slots, token_rows, starts, self.device)
+            return self.target.run(batch, self.target_cache, self.capture_layer_ids)
+        width = max(len(row) for row in token_rows)
+        logits, features = self._target_call(slots, token_rows, starts)
+        return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
+
+    def _target_call(
+        self, slots: list[int], token_rows: list[list[int]], starts: list[int], write_to_scratch: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled forward with rows padded to the block size (and to a row bucket on CUDA)."""
+        assert self._target_forward is not None
+        num_rows, width = len(slots), self.block_size
+        padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
+        input_ids = torch.zeros(padded_rows, width, dtype=torch.long)
+        offsets = torch.arange(width)
+        lengths = torch.zeros(padded_rows, dtype=torch.long)
+        for r, row in enumerate(token_rows):
+            input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+            lengths[r] = len(row)
+        read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long)
+        read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long)
+        start_tensor = torch.zeros(padded_rows, dtype=torch.long)
+        start_tensor[:num_rows] = torch.tensor(starts, dtype=torch.long)
+        positions = start_tensor[:, None] + offsets[None]
+        real = offsets[None] < lengths[:, None]
+        if write_to_scratch:
+            real[:] = False
+        # Padding tokens write into the scratch slot at their offset, never past the cache.
+        write_slots = torch.where(real, read_slots[:, None], self.scratch_slot)
+        write_positions = torch.where(real, positions, offsets[None])
+        max_end = max(s + len(row) for s, row in zip(starts, token_rows))
+        keys = torch.arange(key_length(max_end, self.target_cache.max_len, self._cuda))
+        device = self.device
+        with _compiled_mode():
+            logits, features = self._target_forward(
+                input_ids.to(device),
+                positions.to(device),
+                write_slots.to(device),
+                write_positions.to(device),
+                read_slots.to(device),
+                keys.to(device),
+            )
+        return logits[:num_rows], features[:num_rows]
+
+    def draft(
+        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE drafter forward over every row's block ``[anchor, MASK × (B−1)]``.
+
+        Args:
+            slots: the rows' cache slots (R); anchor_ids: ``[R]``; starts: ``[R]`` int64, each
+                anchor's position (= its context length).
+
+        Returns:
+            ``(hidden [R, J, H], unary logits [R, J, V or Vd] float32)``.
+        """
+        assert self.drafter is not None and self.draft_cache is not None
+        if self._draft_forward is None:
+            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, self.block_size)[:, 1:]
+            return hidden, self.drafter.logits(hidden)
+        return self._draft_call(slots, anchor_ids, starts)
+
+    def _draft_call(
+        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._draft_forward is not None and self.draft_cache is not None
+        num_rows = len(slots)
+        padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
+        read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long, device=self.device)
+        read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long, device=self.device)
+        anchors = torch.zeros(padded_rows, dtype=torch.long, device=self.device)
+        anchors[:num_rows] = anchor_ids
+        start_tensor = torch.ones(padded_rows, dtype=torch.long, device=self.device)
+        start_tensor[:num_rows] = starts
+        max_start = int(starts.max())
+        keys = torch.arange(key_length(max(max_start, 1), self.draft_cache.max_len, self._cuda), device=self.device)
+        with _compiled_mode():
+            hidden, logits = self._draft_forward(anchors, start_tensor, read_slots, keys)
+        return hidden[:num_rows], logits[:num_rows]
+
+    def append_context(self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]) -> None:
+        """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
+
+        Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context
+        covers every position whose target feature is known (spec §10 cache discipline).
+        """
+        assert self.drafter is not None and self.draft_cache is not None
+        width = features.shape[1]
+        offsets = torch.arange(width, device=self.device)[None]
+        keep = offsets < torch.tensor(lengths, device=self.device)[:, None]  # [R, L]
+        positions = torch.tensor(starts, device=self.device)[:, None] + offsets
+        flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
+        self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
+        for slot, start, n in zip(slots, starts, lengths):
+            self.draft_cache.rollback(slot, start + n)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Set a slot's committed target length (O(1))."""
+        self.target_cache.rollback(slot, length)
+
+    def free(self, slot: int) -> None:
+        """Forget a slot in both caches."""
+        self.target_cache.free(slot)
+        if self.draft_cache is not None:
+            self.draft_cache.free(slot)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0–1) of target KV positions holding committed tokens (scratch slot excluded)."""
+        return sum(self.target_cache.lengths[: self.num_slots]) / (self.num_slots * self.max_model_len)
+
+
+@contextlib.contextmanager
+def _compiled_mode() -> Iterator[None]:
+    """Compiled forwards run under ``no_grad`` outside inference mode: weight freezing needs
+    ``no_grad``, and a graph traced once must see the same tensor flags on every call."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) < 500 else text[:500] + " …"
