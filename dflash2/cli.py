@@ -347,6 +347,8 @@ def _bench(args: argparse.Namespace) -> int:
         block_sizes=tuple(args.block_sizes),
         temperatures=tuple(args.temperatures),
         prompt_lookup_tokens=args.prompt_lookup_tokens,
+        eager_rows=args.eager_rows,
+        startup=args.startup,
         gguf=args.gguf,
         single_stream=args.single_stream,
         serving=args.serving,
@@ -392,6 +394,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", type=Path, default=d.gguf, help="GGUF for llama.cpp (default: derived, see docs)")
     parser.add_argument(
         "--single-stream", action=argparse.BooleanOptionalAction, default=d.single_stream, help="batch-1 speed"
+    )
+    parser.add_argument(
+        "--eager-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.eager_rows,
+        help="also measure each engine method with --enforce-eager (rows ar-eager, dflash2-b8-eager, …)",
+    )
+    parser.add_argument(
+        "--startup",
+        action=argparse.BooleanOptionalAction,
+        default=d.startup,
+        help="measure start-up to ready with an empty and a warm compile cache",
     )
     parser.add_argument("--serving", action=argparse.BooleanOptionalAction, default=d.serving, help="serving load")
     parser.add_argument("--url", default=d.url, help="load this running server (loopback) instead of starting ones")

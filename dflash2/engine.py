@@ -25,7 +25,6 @@ import torch
 from dflash2.config import EngineConfig
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
-from dflash2.runner import ModelRunner
 from dflash2.request import (
     FinishReason,
     Request,
@@ -35,6 +34,7 @@ from dflash2.request import (
     TokenLogprob,
     mean_acceptance_length,
 )
+from dflash2.runner import ModelRunner
 from dflash2.sampling import LogitsContext, SamplingParams, sample_from_probs, target_probs
 from dflash2.scheduler import Scheduler
 from dflash2.selector import Proposal
@@ -400,7 +400,9 @@ class Engine:
             uniforms[:, num_slots],
         )
         stats.verify_time += time.perf_counter() - start
-        return _Verified(slots, starts, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist())
+        return _Verified(
+            slots, starts, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist()
+        )
 
     def _commit(self, rows: list[Request], verified: _Verified, stats: StepStats) -> list[RequestOutput]:
         """Roll back each row to its accepted prefix, apply stops, count, and extend the drafter context."""

@@ -30,8 +30,10 @@ F·H captured features, J = B − 1 drafted slots.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -201,15 +203,14 @@ class StaticDrafter(nn.Module):
         assert drafter._target is not None, "bind_target() first"
         self.config = drafter.config
         self.block_size = block_size
-        self.layers = drafter.layers
+        # Its own copy: the eager drafter's layers are pre-packed in place on CPU bfloat16.
+        self.layers = copy.deepcopy(drafter.layers)
         self.norm, self.rotary = drafter.norm, drafter.rotary
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
         self.head = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
         self.dtype = drafter.dtype
-        self.register_buffer(
-            "block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False
-        )
+        self.register_buffer("block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False)
         for i in range(self.config.num_hidden_layers):
             self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
             self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
@@ -262,7 +263,6 @@ def _configure_compiler(device: torch.device) -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # Ours unless the user chose one (torch writes its default into the environment when asked).
@@ -273,12 +273,19 @@ def _configure_compiler(device: torch.device) -> None:
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 256)
     # Sizes that happen to be equal at trace time (rows = query length) must stay independent.
     fx_config.use_duck_shape = False
+    # Python floats (norm eps, RoPE scaling) are constants of the model, not graph inputs.
+    dynamo_config.specialize_float = True
     if device.type == "cpu":
         inductor_config.freezing = True
 
 
 class ModelRunner:
     """Owns the target, the drafter and their caches; runs one step's forwards.
+
+    Compilation runs on a background thread (``background_compile``, the default) while the
+    forwards run eagerly; each compiled forward takes over once its graphs are built and warmed
+    up, so the engine serves from the start and reaches full speed when compilation ends
+    (:meth:`wait_compiled`). A failed compilation logs a warning and leaves that forward eager.
 
     Args:
         target: the loaded target.
@@ -287,9 +294,7 @@ class ModelRunner:
         max_model_len: positions per slot.
         block_size: tokens per verify forward (1 = autoregressive).
         enforce_eager: never compile.
-
-    After construction :attr:`compiled` says whether decode forwards are compiled; a failed
-    compilation logs a warning and leaves the runner eager.
+        background_compile: compile on a thread (False: in the constructor).
     """
 
     def __init__(
@@ -300,6 +305,7 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         enforce_eager: bool = False,
+        background_compile: bool = True,
     ) -> None:
         self.target, self.drafter = target, drafter
         embed_weight = target.embedding_weights()[0]
@@ -309,9 +315,11 @@ class ModelRunner:
         self.scratch_slot = num_slots
         speculative = drafter is not None and block_size > 1
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if speculative and drafter else ()
-        self.target_cache = target.new_cache(num_slots + 1, max_model_len)
+        # One position more than a request can use: a key range [0, T) is then never the whole
+        # cache, so the compiled graphs do not specialise on that case.
+        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1)
         self.draft_cache = (
-            drafter.new_cache(num_slots + 1, max_model_len, drafter.dtype, self.device)
+            drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
             if speculative and drafter is not None
             else None
         )
@@ -319,87 +327,101 @@ class ModelRunner:
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.compile_times: dict[str, float] = {}
-        if not enforce_eager and self.device.type in ("cpu", "cuda"):
-            self._compile()
-        if self._target_forward is None or (self.draft_cache is not None and self._draft_forward is None):
-            self._prepack_eager()
+        self.compile_seconds: float | None = None  # wall time of the whole compilation, once done
+        self._compile_done = threading.Event()
+        modules = self._static_modules() if not enforce_eager and self.device.type in ("cpu", "cuda") else []
+        self._prepack_eager()  # the eager modules serve until (or unless) the compiled ones take over
+        if not modules:
+            self._compile_done.set()
+        elif background_compile:
+            thread = threading.Thread(target=self._compile, args=(modules,), name="dflash2-compile", daemon=True)
+            thread.start()
+        else:
+            self._compile(modules)
 
     @property
     def compiled(self) -> bool:
-        """True when the verify / decode forward is compiled."""
+        """True when the verify / decode forward runs compiled (now)."""
         return self._target_forward is not None
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until compilation has finished (or failed, or was never started); returns
+        False on timeout."""
+        return self._compile_done.wait(timeout)
 
     # ---- set-up -----------------------------------------------------------------------------
 
-    def _compile(self) -> None:
-        """Build, compile and warm up the static modules; on failure stay eager with a warning."""
-        _configure_compiler(self.device)
-        mode = "reduce-overhead" if self._cuda else None
-        start = time.perf_counter()
+    def _static_modules(self) -> list[tuple[str, nn.Module]]:
+        """The static modules to compile (built now, before the eager modules are pre-packed)."""
+        modules: list[tuple[str, nn.Module]] = []
         if isinstance(self.target, TargetModel):
-            try:
-                module = StaticTarget(self.target, self.target_cache, self.capture_layer_ids).eval()
-                forward = torch.compile(module, dynamic=not self._cuda, fullgraph=True, mode=mode)
-                self._target_forward = forward
-                self._warm_up("target", self._run_target_warmup)
-            except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
-                logger.warning("compiling the target failed, running it eagerly: %s", _short(error))
-                self._target_forward = None
+            modules.append(("target", StaticTarget(self.target, self.target_cache, self.capture_layer_ids).eval()))
         else:
             logger.info("the %s target runs eagerly (no static forward)", type(self.target).__name__)
         if self.draft_cache is not None and self.drafter is not None and self.drafter.supports_compile:
-            try:
-                module = StaticDrafter(self.drafter, self.draft_cache, self.block_size).eval()
-                self._draft_forward = torch.compile(module, dynamic=not self._cuda, fullgraph=True, mode=mode)
-                self._warm_up("drafter", self._run_draft_warmup)
-            except Exception as error:  # noqa: BLE001
-                logger.warning("compiling the drafter failed, running it eagerly: %s", _short(error))
-                self._draft_forward = None
-        if self.compile_times:
-            logger.info(
-                "compiled %d graphs in %.1f s (cache: %s)",
-                len(self.compile_times),
-                time.perf_counter() - start,
-                os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-            )
+            modules.append(("drafter", StaticDrafter(self.drafter, self.draft_cache, self.block_size).eval()))
+        return modules
 
-    def _warm_up(self, name: str, run: Callable[[int], None]) -> None:
-        """Compile the batch-1 and batch-≥2 graphs (every row bucket on CUDA) now, not mid-request."""
-        rows = [1, 2] if not self._cuda else [b for b in CUDA_ROW_BUCKETS if b <= _bucket_rows(self.num_slots, 256)]
-        for num_rows in dict.fromkeys(min(r, self.num_slots) if self._cuda else r for r in rows):
+    def _compile(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """Compile and warm up each static module, then switch its forward over; on failure keep
+        that forward eager with a warning."""
+        start = time.perf_counter()
+        try:
+            _configure_compiler(self.device)
+            mode = "reduce-overhead" if self._cuda else None
+            for name, module in modules:
+                try:
+                    # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.
+                    forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, mode=mode)
+                    self._warm_up(name, forward)
+                except Exception as error:
+                    logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))
+                    continue
+                if name == "target":
+                    self._target_forward = forward
+                else:
+                    self._draft_forward = forward
+            self.compile_seconds = time.perf_counter() - start
+            if self.compile_times:
+                logger.info(
+                    "compiled %d graphs in %.1f s (cache: %s)",
+                    len(self.compile_times),
+                    self.compile_seconds,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                )
+        finally:
+            self._compile_done.set()
+
+    def _row_buckets(self) -> list[int]:
+        """Row counts to build graphs for: 1 and ≥ 2 on CPU; every bucket up to the slots on CUDA."""
+        if self._cuda:
+            return [*(b for b in CUDA_ROW_BUCKETS if b < self.num_slots), _bucket_rows(self.num_slots, self.num_slots)]
+        return [1, 2] if self.num_slots >= 2 else [1]
+
+    def _warm_up(self, name: str, forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Build every graph now (rows on the scratch slot only), not in the middle of a request."""
+        for num_rows in dict.fromkeys(self._row_buckets()):
             start = time.perf_counter()
-            run(num_rows)
+            for _ in range(2 if self._cuda else 1):  # CUDA graphs are recorded on a later call
+                if name == "target":
+                    rows = [[0] * self.block_size] * num_rows
+                    self._target_call([self.scratch_slot] * num_rows, rows, [0] * num_rows, forward)
+                else:
+                    slots = [self.scratch_slot] * num_rows
+                    anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+                    self._draft_call(slots, anchors, torch.ones_like(anchors), forward)
             elapsed = time.perf_counter() - start
-            self.compile_times[f"{name} rows={num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"] = elapsed
-            logger.info("compiled %s graph for %d row%s in %.1f s", name, num_rows, "s" * (num_rows > 1), elapsed)
-
-    def _run_target_warmup(self, num_rows: int) -> None:
-        # Everything goes to the scratch slot; two calls so CUDA graphs are recorded too.
-        width = self.block_size
-        for _ in range(2 if self._cuda else 1):
-            self._target_call(
-                [self.scratch_slot] * num_rows,
-                [[0] * width for _ in range(num_rows)],
-                [0] * num_rows,
-                write_to_scratch=True,
-            )
-
-    def _run_draft_warmup(self, num_rows: int) -> None:
-        for _ in range(2 if self._cuda else 1):
-            self._draft_call(
-                [self.scratch_slot] * num_rows,
-                torch.zeros(num_rows, dtype=torch.long, device=self.device),
-                torch.full((num_rows,), 1, dtype=torch.long, device=self.device),
-            )
+            label = f"{name} rows={num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
+            self.compile_times[label] = elapsed
+            logger.info("compiled %s graph for %s row(s) in %.1f s", name, label.split("=")[1], elapsed)
 
     def _prepack_eager(self) -> None:
-        """Pre-pack linear weights of the modules that run eagerly (CPU bfloat16 only)."""
+        """Pre-pack the eager modules' linear weights (CPU bfloat16 only); the static modules
+        keep the dense weights they were built from."""
         if not can_prepack(self.device, self.dtype):
             return
-        packed = 0
-        if self._target_forward is None:
-            packed += self.target.prepack()
-        if self.drafter is not None and self.draft_cache is not None and self._draft_forward is None:
+        packed = self.target.prepack()
+        if self.drafter is not None and self.draft_cache is not None:
             packed += self.drafter.prepack()
         if packed:
             logger.info("pre-packed %d linear layers for oneDNN (CPU, bfloat16)", packed)
@@ -431,42 +453,49 @@ class ModelRunner:
         return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
 
     def _target_call(
-        self, slots: list[int], token_rows: list[list[int]], starts: list[int], write_to_scratch: bool = False
+        self,
+        slots: list[int],
+        token_rows: list[list[int]],
+        starts: list[int],
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled forward with rows padded to the block size (and to a row bucket on CUDA)."""
-        assert self._target_forward is not None
-        num_rows, width = len(slots), self.block_size
-        padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
-        input_ids = torch.zeros(padded_rows, width, dtype=torch.long)
-        offsets = torch.arange(width)
-        lengths = torch.zeros(padded_rows, dtype=torch.long)
-        for r, row in enumerate(token_rows):
-            input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-            lengths[r] = len(row)
-        read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long)
-        read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long)
-        start_tensor = torch.zeros(padded_rows, dtype=torch.long)
-        start_tensor[:num_rows] = torch.tensor(starts, dtype=torch.long)
-        positions = start_tensor[:, None] + offsets[None]
-        real = offsets[None] < lengths[:, None]
-        if write_to_scratch:
-            real[:] = False
-        # Padding tokens write into the scratch slot at their offset, never past the cache.
-        write_slots = torch.where(real, read_slots[:, None], self.scratch_slot)
-        write_positions = torch.where(real, positions, offsets[None])
-        max_end = max(s + len(row) for s, row in zip(starts, token_rows))
-        keys = torch.arange(key_length(max_end, self.target_cache.max_len, self._cuda))
-        device = self.device
-        with _compiled_mode():
-            logits, features = self._target_forward(
-                input_ids.to(device),
-                positions.to(device),
-                write_slots.to(device),
-                write_positions.to(device),
-                read_slots.to(device),
-                keys.to(device),
-            )
+        forward = self._target_forward if forward is None else forward
+        assert forward is not None
+        with _compiled_mode():  # inputs are built here too: a graph is guarded on its inputs' flags
+            num_rows, width = len(slots), self.block_size
+            padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
+            input_ids = torch.zeros(padded_rows, width, dtype=torch.long)
+            offsets = torch.arange(width)
+            lengths = torch.zeros(padded_rows, dtype=torch.long)
+            for r, row in enumerate(token_rows):
+                input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+                lengths[r] = len(row)
+            read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long)
+            read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long)
+            start_tensor = torch.zeros(padded_rows, dtype=torch.long)
+            start_tensor[:num_rows] = torch.tensor(starts, dtype=torch.long)
+            positions = start_tensor[:, None] + offsets[None]
+            real = offsets[None] < lengths[:, None]
+            # Padding tokens write into the scratch slot at their offset, never past the cache.
+            write_slots = torch.where(real, read_slots[:, None], self.scratch_slot)
+            write_positions = torch.where(real, positions, offsets[None])
+            max_end = max(s + len(row) for s, row in zip(starts, token_rows))
+            keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda))
+            inputs = [t.to(self.device) for t in (input_ids, positions, write_slots, write_positions, read_slots)]
+            keys = keys.to(self.device)
+            self._mark_dynamic(inputs, keys)
+            logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
+
+    def _mark_dynamic(self, row_inputs: list[torch.Tensor], keys: torch.Tensor) -> None:
+        """CPU: one graph for every key length, and one for every row count ≥ 2 (batch 1 has its own)."""
+        if self._cuda:
+            return
+        torch._dynamo.maybe_mark_dynamic(keys, 0)
+        if row_inputs[0].shape[0] >= 2:
+            for t in row_inputs:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def draft(
         self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
@@ -487,24 +516,32 @@ class ModelRunner:
         return self._draft_call(slots, anchor_ids, starts)
 
     def _draft_call(
-        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
+        self,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._draft_forward is not None and self.draft_cache is not None
-        num_rows = len(slots)
+        forward = self._draft_forward if forward is None else forward
+        assert forward is not None and self.draft_cache is not None
+        num_rows, device = len(slots), self.device
         padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
-        read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long, device=self.device)
-        read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long, device=self.device)
-        anchors = torch.zeros(padded_rows, dtype=torch.long, device=self.device)
-        anchors[:num_rows] = anchor_ids
-        start_tensor = torch.ones(padded_rows, dtype=torch.long, device=self.device)
-        start_tensor[:num_rows] = starts
         max_start = int(starts.max())
-        keys = torch.arange(key_length(max(max_start, 1), self.draft_cache.max_len, self._cuda), device=self.device)
-        with _compiled_mode():
-            hidden, logits = self._draft_forward(anchors, start_tensor, read_slots, keys)
+        with _compiled_mode():  # fresh tensors: the engine's may be inference tensors
+            read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long, device=device)
+            read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long, device=device)
+            anchors = torch.zeros(padded_rows, dtype=torch.long, device=device)
+            anchors[:num_rows] = anchor_ids.clone()
+            start_tensor = torch.ones(padded_rows, dtype=torch.long, device=device)
+            start_tensor[:num_rows] = starts.clone()
+            keys = torch.arange(key_length(max(max_start, 1), self.max_model_len, self._cuda), device=device)
+            self._mark_dynamic([anchors, start_tensor, read_slots], keys)
+            hidden, logits = forward(anchors, start_tensor, read_slots, keys)
         return hidden[:num_rows], logits[:num_rows]
 
-    def append_context(self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]) -> None:
+    def append_context(
+        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
+    ) -> None:
         """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
 
         Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context

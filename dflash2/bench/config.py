@@ -16,7 +16,7 @@ Temperatures are per request, so one method (one process) runs every temperature
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dflash2.config import EngineConfig
@@ -41,6 +41,7 @@ class MethodSpec:
         block_size: B for engine methods (1 = autoregressive); 0 for peers.
         use_selector: the DFlash 2 selector walk (engine methods with a drafter).
         prompt_lookup_tokens: ``prompt_lookup_num_tokens`` for ``hf-pld``, else 0.
+        enforce_eager: engine methods: run every forward eagerly (the ``-eager`` rows).
     """
 
     id: str
@@ -49,6 +50,7 @@ class MethodSpec:
     block_size: int = 0
     use_selector: bool = True
     prompt_lookup_tokens: int = 0
+    enforce_eager: bool = False
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -58,6 +60,10 @@ class MethodSpec:
     @property
     def label(self) -> str:
         """Human-readable name for tables and plots."""
+        return self._base_label + (", eager" if self.enforce_eager else "")
+
+    @property
+    def _base_label(self) -> str:
         if self.family == AR:
             return "dflash2 engine, autoregressive (B=1)"
         if self.family == DFLASH:
@@ -89,6 +95,10 @@ class BenchConfig:
         temperatures: sampling temperatures (0 = greedy).
         prompt_lookup_tokens: ``prompt_lookup_num_tokens`` of the ``hf-pld`` method.
         gguf: GGUF file for llama.cpp (None: derive one from the model's GGUF source when it has one).
+        eager_rows: beside each compiled engine method, measure the same method with
+            ``enforce_eager`` (rows ``ar-eager``, ``dflash2-b8-eager``, …) in the same run.
+        startup: measure the speculative engine's start-up to ready, with an empty and with a
+            warm compile cache (in a temporary cache folder).
         single_stream: run the single-stream benchmark.
         serving: run the serving benchmark.
         url: a running server on loopback to load (None: start ``dflash2 serve`` per server config).
@@ -110,6 +120,8 @@ class BenchConfig:
     block_sizes: tuple[int, ...] = (8, 16)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     prompt_lookup_tokens: int = 10
+    eager_rows: bool = True
+    startup: bool = True
     gguf: Path | None = None
     single_stream: bool = True
     serving: bool = True
@@ -144,15 +156,23 @@ class BenchConfig:
 
     def method_specs(self) -> list[MethodSpec]:
         """The measured methods in table order: our AR, DFlash, DFlash 2, then the peers."""
-        specs: list[MethodSpec] = []
+        engine_specs: list[MethodSpec] = []
         if AR in self.methods:
-            specs.append(MethodSpec(AR, AR, ENGINE, block_size=1))
+            engine_specs.append(MethodSpec(AR, AR, ENGINE, block_size=1))
         for family, use_selector in ((DFLASH, False), (DFLASH2, True)):
             if family in self.methods:
-                specs += [
+                engine_specs += [
                     MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
                     for b in self.block_sizes
                 ]
+        specs: list[MethodSpec] = []
+        for spec in engine_specs:
+            if self.engine.enforce_eager:
+                specs.append(replace(spec, enforce_eager=True))
+                continue
+            specs.append(spec)
+            if self.eager_rows:
+                specs.append(replace(spec, id=f"{spec.id}-eager", enforce_eager=True))
         if HF in self.methods:
             specs.append(MethodSpec(HF, HF, TRANSFORMERS))
         if HF_PLD in self.methods:
@@ -166,8 +186,11 @@ class BenchConfig:
         """B of the speculative server: ``--block-size`` when given, else the first of ``block_sizes``."""
         return self.engine.block_size if self.engine.block_size not in (None, 1) else self.block_sizes[0]
 
-    def engine_config(self, block_size: int, use_selector: bool, max_num_seqs: int = 1) -> EngineConfig:
-        """The engine configuration of one engine method (batch 1 by default)."""
+    def engine_config(
+        self, block_size: int, use_selector: bool, max_num_seqs: int = 1, enforce_eager: bool | None = None
+    ) -> EngineConfig:
+        """The engine configuration of one engine method (batch 1 by default; eager as the
+        run's engine config says unless ``enforce_eager`` is given)."""
         e = self.engine
         return EngineConfig(
             model=e.model,
@@ -180,4 +203,5 @@ class BenchConfig:
             dtype=e.dtype,
             seed=e.seed,
             num_threads=e.num_threads,
+            enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
         )

@@ -206,6 +206,23 @@ def serving_table(results: dict[str, Any]) -> list[str]:
     return table(header, body) if body else []
 
 
+def startup_table(results: dict[str, Any]) -> list[str]:
+    """Seconds to ready with an empty and with a warm compile cache, and the compile time per graph."""
+    startup = results.get("startup")
+    if not startup:
+        return []
+    body = []
+    for label in ("cold", "warm"):
+        run = startup.get(label) or {}
+        if "error" in run:
+            body.append([label, "–", "–", run["error"]])
+            continue
+        graphs = ", ".join(f"{k} {v:.1f} s" for k, v in (run.get("compile_seconds") or {}).items())
+        body.append([label, fmt(run.get("seconds")), "yes" if run.get("compiled") else "no", graphs or "–"])
+    header = [f"compile cache (B={startup.get('block_size')})", "seconds to ready", "compiled", "per graph"]
+    return table(header, body)
+
+
 def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     """The whole report."""
     config = results["config"]
@@ -236,6 +253,9 @@ def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         if per_set:
             lines += ["", "### Per prompt set", "", *per_set]
         lines += ["", "### Methods", "", *method_table(results)]
+    startup = startup_table(results)
+    if startup:
+        lines += ["", "## Start-up to ready (speculative engine, a fresh process each)", "", *startup]
     serving = serving_table(results)
     if serving:
         lines += ["", "## Serving (streaming chat, loopback)", "", *serving, ""]

@@ -42,6 +42,8 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "serving_seconds": config.serving_seconds,
         "serving_temperature": config.serving_temperature,
         "serving_block_size": config.serving_block_size,
+        "enforce_eager": e.enforce_eager,
+        "eager_rows": config.eager_rows,
     }
 
 
@@ -77,6 +79,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = logger.info
                 for r in single.records
             ],
         }
+    if config.startup:
+        from dflash2.bench.startup import measure_startup
+
+        results["startup"] = measure_startup(config, progress)
     if config.serving:
         results["serving"] = run_serving(config, workload.messages, log_dir, progress).to_dict()
     for path in write_report(config.out, results):

@@ -104,6 +104,8 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
         command += ["--threads", str(e.num_threads)]
     if not spec.use_selector:
         command.append("--no-selector")
+    if e.enforce_eager:
+        command.append("--enforce-eager")
     return command
 
 

@@ -81,7 +81,12 @@ def worker_spec(
     """What the worker of ``method`` loads (JSON)."""
     e = config.engine
     if method.runner == ENGINE:
-        return {"runner": ENGINE, "engine": config.engine_config(method.block_size, method.use_selector).to_dict()}
+        return {
+            "runner": ENGINE,
+            "engine": config.engine_config(
+                method.block_size, method.use_selector, enforce_eager=method.enforce_eager
+            ).to_dict(),
+        }
     if method.runner == TRANSFORMERS:
         return {
             "runner": TRANSFORMERS,

@@ -1,0 +1,65 @@
+"""Start-up to ready of the speculative engine, with an empty and with a warm compile cache.
+
+Each measurement is a fresh process (``python -m dflash2.bench.startup CONFIG_JSON``) that
+builds the engine — model load, drafter load, KV caches, compilation and warm-up of every
+graph — and reports the seconds until it could serve. Both runs share one temporary
+``TORCHINDUCTOR_CACHE_DIR``, so the first is cold and the second finds its graphs cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dflash2.bench.config import BenchConfig
+
+_TIMEOUT = 1800.0  # seconds per start-up (a cold compile on 2 cores takes minutes)
+
+
+def measure_startup(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """``{"block_size", "cold": {...}, "warm": {...}}``; each run gives ``seconds`` to ready,
+    ``compile_seconds`` per graph and whether the forwards were ``compiled``, or an ``error``."""
+    engine = config.engine_config(config.serving_block_size, True)
+    result: dict[str, Any] = {"block_size": config.serving_block_size}
+    with tempfile.TemporaryDirectory(prefix="dflash2-startup-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for label in ("cold", "warm"):
+            progress(f"start-up, {label} compile cache")
+            command = [sys.executable, "-m", "dflash2.bench.startup", json.dumps(engine.to_dict())]
+            try:
+                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_TIMEOUT, check=False)
+            except subprocess.TimeoutExpired:
+                result[label] = {"error": f"not ready within {_TIMEOUT:.0f} s"}
+                continue
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                result[label] = {"error": (done.stderr.strip().splitlines() or ["exited without a report"])[-1]}
+                continue
+            result[label] = json.loads(lines[-1])
+            progress(f"start-up, {label}: {result[label]['seconds']:.1f} s")
+    return result
+
+
+def _main(argv: list[str]) -> int:
+    start = time.perf_counter()
+    from dflash2.config import EngineConfig
+    from dflash2.engine import Engine
+
+    engine = Engine.from_config(EngineConfig(**json.loads(argv[0])))
+    report = {
+        "seconds": time.perf_counter() - start,
+        "compiled": engine.runner.compiled,
+        "compile_seconds": engine.runner.compile_times,
+    }
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
