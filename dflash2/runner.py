@@ -178,7 +178,13 @@ class _StaticLayer(nn.Module):
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs."""
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs.
+
+    Raises:
+        ValueError: when a part has no dense weight (a model already pre-packed for eager use).
+    """
+    if any(not isinstance(p, nn.Linear) for p in parts):
+        raise ValueError("the model's linear layers are already pre-packed: build the runner from dense weights")
     weight = torch.cat([p.weight.detach() for p in parts])
     biases = [p.bias for p in parts]
     has_bias = any(b is not None for b in biases)
@@ -329,7 +335,12 @@ class ModelRunner:
         self.compile_times: dict[str, float] = {}
         self.compile_seconds: float | None = None  # wall time of the whole compilation, once done
         self._compile_done = threading.Event()
-        modules = self._static_modules() if not enforce_eager and self.device.type in ("cpu", "cuda") else []
+        modules = []
+        if not enforce_eager and self.device.type in ("cpu", "cuda"):
+            try:
+                modules = self._static_modules()
+            except Exception as error:
+                logger.warning("no static forwards, running eagerly: %s", _short(error))
         self._prepack_eager()  # the eager modules serve until (or unless) the compiled ones take over
         if not modules:
             self._compile_done.set()

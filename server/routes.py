@@ -159,9 +159,11 @@ async def health(state: State) -> JSONResponse:
 
 @public.get("/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def ready(state: State) -> JSONResponse:
-    """Readiness: target and drafter loaded and not draining."""
+    """Readiness: target and drafter loaded and not draining (compilation may still be running)."""
     status = state.readiness
-    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+    engine = state.client.engine
+    compiling = engine is not None and not engine.runner.wait_compiled(timeout=0)
+    return JSONResponse({"status": status, "compiling": compiling}, status_code=200 if status == "ready" else 503)
 
 
 @public.get("/metrics", response_class=Response)

@@ -115,12 +115,19 @@ class EngineRunner:
         engine_class = CudaTimedEngine if config.torch_device.type == "cuda" else Engine
         self.config = config
         self.engine: Engine = engine_class.from_config(config)
+        # Measure the engine at full speed: wait for its background compilation.
+        self.engine.runner.wait_compiled()
         self.llm = LLM.from_engine(self.engine)
 
     def describe(self) -> dict[str, Any]:
         """What was loaded: block size, drafter (path, trained block size, convolutions, selector)."""
         engine, drafter = self.engine, self.engine.drafter
-        info: dict[str, Any] = {"block_size": engine.block_size, "use_selector": self.config.use_selector}
+        info: dict[str, Any] = {
+            "block_size": engine.block_size,
+            "use_selector": self.config.use_selector,
+            "compiled": engine.runner.compiled,
+            "compile_seconds": engine.runner.compile_seconds,
+        }
         if drafter is not None:
             c = drafter.config
             default = default_drafter_path()

@@ -1,0 +1,220 @@
+"""GPU check of the compiled model runner: correctness and eager-vs-graphs timing on one device.
+
+Runs with the machine's preinstalled torch and no downloads, in a few minutes on one GPU:
+
+1. A Qwen3-4B-shaped target with random weights (``--tiny``: a small one, for a CPU dry run).
+2. Greedy speculative decoding equals greedy autoregressive decoding in float32: an oracle
+   drafter proposes the target's own greedy continuation (so random weights still give high
+   acceptance) while the target's verify forward runs through the compiled runner.
+3. bfloat16 timings, eager vs compiled (CUDA graphs on CUDA), batch 1: an autoregressive step,
+   verify of 8 and 16 tokens, and the 5-layer DFlash 2 drafter's block of 8; then the projected
+   speedup of DFlash 2 over autoregressive decoding at τ = 4.8.
+
+Usage (from the repository root)::
+
+    python scripts/gpu_check.py                      # CUDA, Qwen3-4B shape
+    python scripts/gpu_check.py --tiny --device cpu  # a quick dry run of the same steps
+
+Prints a Markdown table (also written to ``--out`` when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash2 import LLM, SamplingParams  # noqa: E402
+from dflash2.config import EngineConfig  # noqa: E402
+from dflash2.engine import Engine  # noqa: E402
+from dflash2.models.drafter import DFlashDrafter  # noqa: E402
+from dflash2.models.drafter_factory import drafter_config_for_target  # noqa: E402
+from dflash2.models.llama import TargetModel  # noqa: E402
+from dflash2.runner import ModelRunner  # noqa: E402
+
+TAU = 4.8  # the seed paper's average acceptance length at B = 8 (Qwen3 8B-27B targets)
+
+
+def target_config(tiny: bool) -> Any:
+    """Qwen3-4B's shape (or a 4-layer miniature of it)."""
+    from transformers import Qwen3Config
+
+    if tiny:
+        return Qwen3Config(
+            vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+        )  # fmt: skip
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def random_target(config: Any, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TargetModel(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def random_drafter(target: TargetModel, block_size: int) -> DFlashDrafter:
+    config = drafter_config_for_target(target.config, num_layers=5, block_size=block_size)
+    drafter = DFlashDrafter(config)
+    drafter.init_weights(std=0.02, seed=1)
+    weight = target.embed_tokens.weight
+    drafter.bind_target(*target.embedding_weights())
+    return drafter.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+class OracleDrafter(DFlashDrafter):
+    """Proposes the reference greedy continuation of the request in slot 0."""
+
+    supports_compile = False
+
+    def __init__(self, config: Any, reference: list[int]) -> None:
+        super().__init__(config)
+        self.reference = reference
+        self._planned: torch.Tensor | None = None
+
+    def draft_hidden(self, cache: Any, slots: Any, anchor_ids: Any, starts: Any, block_size: int) -> torch.Tensor:
+        s = int(starts[0])
+        ids = [self.reference[s + j] if s + j < len(self.reference) else 0 for j in range(block_size)]
+        self._planned = torch.tensor([ids], device=anchor_ids.device)
+        return torch.zeros(1, block_size, self.config.hidden_size, device=anchor_ids.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self._planned is not None
+        planned = self._planned[:, -hidden.shape[1] :]
+        return torch.nn.functional.one_hot(planned, self.config.vocab_size).float() * 20.0
+
+
+def check_greedy(config: Any, device: torch.device, num_tokens: int) -> tuple[bool, float]:
+    """Float32: eager AR tokens == compiled-verify speculative tokens with an oracle drafter."""
+    target = random_target(config, torch.float32, device)
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    base = {"max_num_seqs": 1, "max_model_len": 512, "device": str(device), "dtype": "float32"}
+    ar = Engine(EngineConfig(block_size=1, enforce_eager=True, **base), target, None, None)
+    reference = LLM.from_engine(ar).generate(prompt, params)[0].token_ids or []
+    del ar
+    oracle = OracleDrafter(drafter_config_for_target(config, num_layers=1, block_size=8), prompt + reference)
+    oracle.init_weights(seed=2)
+    oracle.bind_target(*target.embedding_weights())
+    oracle = oracle.to(device)
+    spec = Engine(EngineConfig(block_size=8, **base), target, None, oracle)
+    spec.runner.wait_compiled()
+    assert spec.runner.compiled, "the target's verify forward did not compile"
+    out = LLM.from_engine(spec).generate(prompt, params)[0]
+    return out.token_ids == reference, out.mean_acceptance_length
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Any, device: torch.device, repeats: int = 30) -> float:
+    """Median milliseconds of ``fn()`` after 5 warm-up calls."""
+    for _ in range(5):
+        fn()
+    sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def time_runner(config: Any, device: torch.device, block_size: int, with_drafter: bool, eager: bool) -> dict[str, float]:
+    """Timings of one runner over a fresh bfloat16 target (a runner pre-packs its eager modules on CPU)."""
+    target = random_target(config, torch.bfloat16, device)
+    drafter = random_drafter(target, block_size) if with_drafter else None
+    runner = ModelRunner(target, drafter, 1, 2048, block_size, enforce_eager=eager, background_compile=False)
+    context = 1024
+    runner.prefill([0], [list(range(context))], [0])
+    runner.target_cache.rollback(0, context)
+    tokens = [[5] * block_size]
+    result = {"compile_s": sum(runner.compile_times.values())}
+    with torch.inference_mode():
+        result["verify_ms"] = timed(lambda: runner.verify([0], tokens, [context]), device)
+        if drafter is not None:
+            anchors = torch.tensor([5], device=device)
+            starts = torch.tensor([context], device=device)
+            runner.append_context([0], [0], torch.zeros(1, context, drafter.fc.in_features, device=device), [context])
+            result["draft_ms"] = timed(lambda: runner.draft([0], anchors, starts), device)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a small model (CPU dry run)")
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens compared")
+    parser.add_argument("--out", type=Path, default=None, help="also write the Markdown report here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = target_config(args.tiny)
+    lines = [f"# dflash2 GPU check ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})", ""]
+    lines.append(f"torch {torch.__version__}; target {'tiny' if args.tiny else 'Qwen3-4B'} shape, random weights")
+
+    start = time.perf_counter()
+    same, tau = check_greedy(config, device, args.tokens)
+    lines.append(
+        f"- float32 greedy, compiled verify + oracle drafter vs eager AR, {args.tokens} tokens: "
+        f"{'identical' if same else 'DIFFERENT'} (τ {tau:.2f}; {time.perf_counter() - start:.0f} s)"
+    )
+    print("\n".join(lines), flush=True)
+
+    rows = []
+    costs: dict[str, dict[str, float]] = {}
+    for mode in ("eager", "compiled"):
+        eager = mode == "eager"
+        ar = time_runner(config, device, 1, False, eager)
+        v8 = time_runner(config, device, 8, True, eager)
+        v16 = time_runner(config, device, 16, False, eager)
+        costs[mode] = {"ar": ar["verify_ms"], "v8": v8["verify_ms"], "v16": v16["verify_ms"], "draft": v8["draft_ms"]}
+        compile_s = ar["compile_s"] + v8["compile_s"] + v16["compile_s"]
+        rows.append(
+            f"| {mode} | {ar['verify_ms']:.2f} | {v8['verify_ms']:.2f} | {v16['verify_ms']:.2f} | "
+            f"{v8['draft_ms']:.2f} | {compile_s:.0f} |"
+        )
+        print(rows[-1], flush=True)
+    lines += [
+        "",
+        "bfloat16, batch 1, 1024 tokens of context, median of 30 (ms):",
+        "",
+        "| forwards | AR step | verify 8 | verify 16 | draft (5 layers, B = 8) | compile s |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    for mode, c in costs.items():
+        projected = TAU * c["ar"] / (c["v8"] + c["draft"])
+        lines.append(f"- {mode}: projected DFlash 2 speedup over AR at τ = {TAU}, B = 8: {projected:.2f}×")
+    c, e = costs["compiled"], costs["eager"]
+    lines.append(f"- compiled vs eager: AR step {e['ar'] / c['ar']:.2f}×, verify 8 {e['v8'] / c['v8']:.2f}×")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
