@@ -191,8 +191,8 @@ class Engine:
         """Validate and queue a request; thread-safe. Returns its id.
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, stop strings without a
-                tokenizer, or a duplicate id.
+            ValueError: empty prompt, token ids outside the vocabulary (prompt, logit bias, stop
+                ids), top_k above the vocabulary size, stop strings without a tokenizer.
             ContextLengthExceededError: prompt + max_tokens > max_model_len.
         """
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -202,6 +202,10 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size ({self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in (*params.logit_bias, *params.stop_token_ids)):
+            raise ValueError(f"logit_bias and stop_token_ids token ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
@@ -264,19 +268,12 @@ class Engine:
         outputs = self._drain_inbox()
         admitted = self.scheduler.admit()
         if admitted:
-            outputs += self._prefill(admitted, stats)
+            outputs += self._isolated(admitted, self._prefill_forward, self._prefill_commit, stats)
         # Rows in slot order: when the running slots are contiguous (a full batch), the KV cache
         # reads are views instead of gathers.
         rows = sorted((r for r in self.scheduler.running if not r.is_finished), key=self._slot)
         if rows:
-            if self.is_speculative:
-                anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
-                hidden, draft_logits = self._draft(rows, anchors, stats)
-                proposal = self._select(rows, anchors, hidden, draft_logits, stats)
-            else:
-                proposal = self._no_proposal(len(rows))
-            verified = self._verify(rows, proposal, self._num_drafts(rows), stats)
-            outputs += self._commit(rows, verified, stats)
+            outputs += self._isolated(rows, self._speculate, self._commit, stats)
         for request in [r for r in self.scheduler.running if r.is_finished]:
             self._release(request)
         stats.total_time = time.perf_counter() - start
@@ -319,29 +316,88 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------------
 
-    def _prefill(self, requests: list[Request], stats: StepStats) -> list[RequestOutput]:
-        """Run the prompts through the target, write drafter context, sample each first token."""
-        now = time.monotonic()
+    # ---- per-request failure isolation ----------------------------------------------------------
+
+    def _isolated(
+        self,
+        requests: list[Request],
+        forward: Callable[[list[Request], StepStats], Any],
+        commit: Callable[[list[Request], Any, StepStats], list[RequestOutput]],
+        stats: StepStats,
+    ) -> list[RequestOutput]:
+        """``commit(requests, forward(requests))``, where one request's failure ends only that request.
+
+        ``forward`` changes nothing but cache entries past the committed lengths (rewritten alike
+        on a rerun) and the requests' generators, whose states are restored. When it raises for the
+        batch, each request runs alone: the ones that fail again end with the error, the others
+        get exactly the tokens they would have got (the same uniforms, the same target logits in
+        float32).
+        """
+        states = [r.generator.get_state() for r in requests]
+        try:
+            result = forward(requests, stats)
+        except Exception as error:
+            if len(requests) == 1:
+                return [self._fail(requests[0], error)]
+            logger.warning("a step over %d requests failed (%s); running each alone", len(requests), error)
+            outputs = []
+            for request, state in zip(requests, states):
+                request.generator.set_state(state)
+                try:
+                    alone = forward([request], stats)
+                except Exception as request_error:
+                    outputs.append(self._fail(request, request_error))
+                    continue
+                outputs += commit([request], alone, stats)
+            return outputs
+        return commit(requests, result, stats)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End one request with an engine error (its slot is released at the end of the step)."""
+        logger.error("request %s failed in the engine: %r", request.request_id, error, exc_info=error)
+        request.finish_reason = FinishReason.ABORT
+        return _error_output(request, f"{type(error).__name__}: {str(error)[:200]}")
+
+    # ---- prefill --------------------------------------------------------------------------------
+
+    def _prefill_forward(self, requests: list[Request], stats: StepStats) -> tuple[torch.Tensor, list[int]]:
+        """Run the prompts through the target, write drafter context and sample each first token:
+        the logits ``[R, 1, V]`` and the first token ids."""
         slots = [self._slot(r) for r in requests]
         prompts = [r.prompt_ids for r in requests]
         logits, features = self.runner.prefill(slots, prompts, [0] * len(requests))
-        for r in requests:
-            r.scheduled_time = now
-            r.num_cached = len(r.prompt_ids)
-            self.runner.rollback(self._slot(r), r.num_cached)
         if features is not None:
             self.runner.append_context(slots, [0] * len(requests), features, [len(p) for p in prompts])
         probs = target_probs(logits, self._logits_context(requests), logits.new_zeros(len(requests), 0).long())
         uniforms = torch.stack([self._uniforms(r, 1) for r in requests])[:, 0].to(self.device)
-        first_ids = sample_from_probs(probs[:, 0], uniforms).tolist()
+        return logits, sample_from_probs(probs[:, 0], uniforms).tolist()
+
+    def _prefill_commit(
+        self, requests: list[Request], result: tuple[torch.Tensor, list[int]], stats: StepStats
+    ) -> list[RequestOutput]:
+        """Commit the prompts and each request's first token."""
+        logits, first_ids = result
+        now = time.monotonic()
         stats.num_prefills += len(requests)
-        stats.num_prefill_tokens += sum(len(p) for p in prompts)
+        stats.num_prefill_tokens += sum(len(r.prompt_ids) for r in requests)
         outputs = []
         for i, request in enumerate(requests):
-            request.first_token_time = time.monotonic()
+            request.scheduled_time = request.first_token_time = now
+            request.num_cached = len(request.prompt_ids)
+            self.runner.rollback(self._slot(request), request.num_cached)
             logprob_rows = logits[i, :1] if request.params.logprobs is not None else None
             outputs.append(self._output(request, *self._commit_tokens(request, [first_ids[i]], logprob_rows, stats)))
         return outputs
+
+    def _speculate(self, rows: list[Request], stats: StepStats) -> _Verified:
+        """Draft, select and verify every row's block (the autoregressive step at block size 1)."""
+        if self.is_speculative:
+            anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
+            hidden, draft_logits = self._draft(rows, anchors, stats)
+            proposal = self._select(rows, anchors, hidden, draft_logits, stats)
+        else:
+            proposal = self._no_proposal(len(rows))
+        return self._verify(rows, proposal, self._num_drafts(rows), stats)
 
     # ---- draft + select -------------------------------------------------------------------------
 
@@ -407,7 +463,7 @@ class Engine:
     def _commit(self, rows: list[Request], verified: _Verified, stats: StepStats) -> list[RequestOutput]:
         """Roll back each row to its accepted prefix, apply stops, count, and extend the drafter context."""
         stats.num_decode_rows += len(rows)
-        if self.is_speculative:
+        if self.is_speculative and not stats.drafted_per_position:
             stats.accepted_per_position = [0] * (self.block_size - 1)
             stats.drafted_per_position = [0] * (self.block_size - 1)
         outputs = []

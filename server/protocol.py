@@ -168,7 +168,7 @@ class SamplingRequest(StrictModel):
 
         Args:
             default_max_tokens: the limit when the client gives none.
-            vocab_size: token ids in ``logit_bias`` / ``stop_token_ids`` must be below it.
+            vocab_size: token ids in ``logit_bias`` / ``stop_token_ids`` and ``top_k`` must be below it.
 
         Raises:
             RequestParamError: a cross-field or token-id problem.
@@ -183,6 +183,8 @@ class SamplingRequest(StrictModel):
         for name, ids in (("logit_bias", bias), ("stop_token_ids", stop_ids)):
             if any(not 0 <= t < vocab_size for t in ids):
                 raise RequestParamError(f"{name} token ids must be in [0, {vocab_size})", name)
+        if self.top_k > vocab_size:
+            raise RequestParamError(f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}", "top_k")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -72,6 +72,8 @@ async def test_wrong_types_are_400_naming_the_field(fields, param):
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 100000}, "top_k"),  # above the vocabulary
+        ({"top_k": 2**70}, "top_k"),  # beyond int64
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
