@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Scaled RoPE types a drafter may carry (transformers' initialisers; ``dynamic`` depends on length).
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -60,6 +62,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +83,17 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2")
         if any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
             raise ValueError("target_layer_ids must index layers of the target")
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SCALED_ROPE_TYPES and rope_type != "default":
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported for drafters: use default, {', '.join(SCALED_ROPE_TYPES)}"
+            )
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """``{"rope_theta", "rope_type", …scaling parameters}`` as in a published ``config.json``."""
+        params = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}
+        return {"rope_theta": self.rope_theta, "rope_type": "default", **params}
 
     @property
     def version(self) -> int:
@@ -126,7 +140,19 @@ class DrafterConfig:
         def pick(key: str, default: Any = None) -> Any:
             return dflash.get(key, raw.get(key, default))
 
-        rope = raw.get("rope_parameters") or {}
+        # RoPE: the nested ``rope_parameters`` (DFlash 2) over legacy ``rope_scaling`` and ``rope_theta``.
+        rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = str(rope.pop("rope_type", rope.pop("type", "default")))
+        rope.pop("type", None)
+        rope_scaling = (
+            ()
+            if rope_type == "default"
+            else (
+                ("rope_type", rope_type),
+                *sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items()),
+            )
+        )
         num_layers = int(raw["num_hidden_layers"])
         num_target_layers = int(pick("num_target_layers", raw.get("num_target_layers", 0)) or 0)
         layer_ids = pick("target_layer_ids")
@@ -140,6 +166,14 @@ class DrafterConfig:
             raise ValueError("drafter config has no mask_token_id")
         heads = int(raw["num_attention_heads"])
         softcap = pick("final_logit_softcapping")
+        # Sliding windows follow the Hugging Face Qwen3 rule every reference loader applies: none
+        # unless ``use_sliding_window`` is true; without ``layer_types``, the layers from
+        # ``max_window_layers`` on slide.
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+        layer_types = tuple(raw.get("layer_types") or ())
+        if not layer_types and window is not None:
+            first = int(raw.get("max_window_layers", num_layers))
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
         return cls(
             hidden_size=int(raw["hidden_size"]),
             num_hidden_layers=num_layers,
@@ -153,10 +187,10 @@ class DrafterConfig:
             target_layer_ids=tuple(layer_ids),
             num_target_layers=num_target_layers,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            layer_types=tuple(raw.get("layer_types") or ()),
-            sliding_window=raw.get("sliding_window"),
+            layer_types=layer_types,
+            sliding_window=int(window) if window is not None else None,
             is_causal=raw.get("is_causal"),
             conv_group_size=int(pick("conv_group_size", 0) or 0),
             conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
@@ -165,6 +199,7 @@ class DrafterConfig:
             output_multiplier=float(1.0 if pick("output_multiplier") is None else pick("output_multiplier")),
             final_logit_softcapping=float(softcap) if softcap and float(softcap) > 0 else None,
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
+            rope_scaling=rope_scaling,
             extra={k: v for k, v in dflash.items() if k in ("causal",)},
         )
 
@@ -200,14 +235,18 @@ class DrafterConfig:
             "num_target_layers": self.num_target_layers,
             "layer_types": list(self.layer_types),
         }
-        if self.sliding_window is not None:
+        sliding = [i for i in range(self.num_hidden_layers) if self.layer_window(i) is not None]
+        if sliding:
+            # Read through the Hugging Face rule by every reference loader: windows need this flag.
+            out.update(use_sliding_window=True, sliding_window=self.sliding_window, max_window_layers=sliding[0])
+        elif self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
         if self.version == 2:
             if self.is_causal is not None:
                 out["is_causal"] = self.is_causal
             elif not any(self.layer_is_causal(i) for i in range(self.num_hidden_layers)):
                 out["is_causal"] = False  # the published layout; leaving it out would mean the same
-            out["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+            out["rope_parameters"] = self.rope_parameters
             dflash.update(
                 block_size=self.block_size,
                 conv_group_size=self.conv_group_size,
@@ -218,6 +257,8 @@ class DrafterConfig:
         else:
             out["block_size"] = self.block_size
             out["rope_theta"] = self.rope_theta
+            if self.rope_scaling:
+                out["rope_scaling"] = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
             if self.is_causal is not None:
                 out["is_causal"] = self.is_causal
         if self.output_multiplier != 1.0:
@@ -235,11 +276,22 @@ class DrafterConfig:
         Path(folder, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def as_hf_rope_config(self) -> Any:
-        """A minimal object with the attributes ``RotaryEmbedding`` reads."""
-
+        """A config ``RotaryEmbedding`` reads: the RoPE type and parameters, and for scaled types
+        a transformers ``Qwen3Config`` with the shape fields their initialisers read."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"})
+        if not self.rope_scaling:
+            return SimpleNamespace(rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"})
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=self.rope_parameters,
+        )
 
 
 @functools.cache

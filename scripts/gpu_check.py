@@ -141,7 +141,9 @@ def timed(fn: Any, device: torch.device, repeats: int = 30) -> float:
     return statistics.median(samples) * 1e3
 
 
-def time_runner(config: Any, device: torch.device, block_size: int, with_drafter: bool, eager: bool) -> dict[str, float]:
+def time_runner(
+    config: Any, device: torch.device, block_size: int, with_drafter: bool, eager: bool
+) -> dict[str, float]:
     """Timings of one runner over a fresh bfloat16 target (a runner pre-packs its eager modules on CPU)."""
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, block_size) if with_drafter else None

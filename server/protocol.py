@@ -184,7 +184,9 @@ class SamplingRequest(StrictModel):
             if any(not 0 <= t < vocab_size for t in ids):
                 raise RequestParamError(f"{name} token ids must be in [0, {vocab_size})", name)
         if self.top_k > vocab_size:
-            raise RequestParamError(f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}", "top_k")
+            raise RequestParamError(
+                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}", "top_k"
+            )
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

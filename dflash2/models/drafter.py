@@ -47,6 +47,9 @@ def draft_vocab_indices(draft_vocab: torch.Tensor, token_ids: torch.Tensor) -> t
     return torch.where(draft_vocab[index] == token_ids, index, -1)
 
 
+# Tensors some checkpoints carry that are recomputed at load time, never learned.
+_DERIVED_TENSORS = ("rotary_emb.inv_freq",)
+
 # Names used by other publishers for the same tensors (spec §1.3).
 _KEY_ALIASES = (
     ("encoder.fc.", "fc."),
@@ -564,9 +567,13 @@ class DFlashDrafter(nn.Module):
         return model.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` in, after alias remapping and a strict name/shape check."""
+        """Copy ``state`` in, after alias remapping and a strict name/shape check (tensors that are
+        computed, not learned — ``rotary_emb.inv_freq`` — are skipped)."""
         remapped = {}
         for key, value in state.items():
+            if key.endswith(_DERIVED_TENSORS):
+                logger.debug("skipping derived tensor %s", key)
+                continue
             key = key.removeprefix("model.")
             for old, new in _KEY_ALIASES:
                 if key.startswith(old):

@@ -29,12 +29,13 @@ def bench_run(tiny_folders: TinyFolders, tmp_path_factory: pytest.TempPathFactor
             max_num_seqs=2,
             device="cpu",
             dtype="float32",
+            enforce_eager=True,
         )
     )
     argv = ["bench", "--model", str(tiny_folders.model), "--drafter", str(tiny_folders.drafter), "--threads", "1"]
     argv += ["--out", str(out), "--sets", "math", "multiturn", "--num-prompts", "1", "--max-tokens", "6"]
     argv += ["--repeats", "1", "--block-sizes", "4", "--temperatures", "0", "1"]
-    argv += ["--methods", "ar", "dflash", "dflash2", "hf", "llama.cpp"]
+    argv += ["--methods", "ar", "dflash", "dflash2", "hf", "llama.cpp", "--enforce-eager", "--no-startup"]
     with ServerThread(engine, max_concurrency=8) as server:
         argv += ["--url", server.url, "--concurrency", "1", "2", "--serving-requests", "2", "--serving-seconds", "30"]
         status = main(argv)

@@ -34,6 +34,7 @@ def _engine_runner(tiny: TinyFolders, block_size: int) -> EngineRunner:
         device="cpu",
         dtype="float32",
         num_threads=1,
+        enforce_eager=True,
     )
     return EngineRunner(config)
 
@@ -84,7 +85,12 @@ def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders
     from dflash2.sampling import SamplingParams
 
     config = EngineConfig(
-        model=str(tiny_folders.model), drafter=str(tiny_folders.drafter), block_size=4, device="cpu", dtype="float32"
+        model=str(tiny_folders.model),
+        drafter=str(tiny_folders.drafter),
+        block_size=4,
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
     )
     prompt = _prompt(tiny_folders.model)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

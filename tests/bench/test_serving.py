@@ -116,6 +116,9 @@ def test_server_specs_follow_the_methods() -> None:
     assert command[3:8] == ["serve", "--host", "127.0.0.1", "--port", "1234"]
     assert "--no-selector" in command and "--model" not in command
     assert command[command.index("--max-num-seqs") + 1] == "8"
+    assert "--enforce-eager" not in command
+    eager = serve_command(BenchConfig(engine=EngineConfig(enforce_eager=True)), ServerSpec("ar", 1), 1234)
+    assert "--enforce-eager" in eager
 
 
 def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Path) -> None:
@@ -129,3 +132,30 @@ def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Pa
     assert server.process.returncode is not None  # stopped (SIGTERM, drained)
     assert len(levels) == 1 and levels[0].num_errors == 0, levels[0].errors
     assert levels[0].tau == pytest.approx(1.0)
+
+
+def test_eager_rows_sit_beside_their_compiled_method() -> None:
+    config = BenchConfig(methods=("ar", "dflash2", "llama.cpp"), block_sizes=(8,))
+    specs = config.method_specs()
+    assert [s.id for s in specs] == ["ar", "ar-eager", "dflash2-b8", "dflash2-b8-eager", "llama.cpp"]
+    assert [s.enforce_eager for s in specs[:4]] == [False, True, False, True]
+    assert specs[3].label.endswith(", eager") and config.engine_config(8, True, enforce_eager=True).enforce_eager
+    assert [s.id for s in BenchConfig(methods=("ar",), eager_rows=False).method_specs()] == ["ar"]
+    eager_run = BenchConfig(methods=("ar",), engine=EngineConfig(enforce_eager=True)).method_specs()
+    assert [(s.id, s.enforce_eager) for s in eager_run] == [("ar", True)]
+
+
+def test_startup_table_reports_ready_and_compiled_times() -> None:
+    from dflash2.bench.report import startup_table
+
+    results = {
+        "startup": {
+            "block_size": 8,
+            "max_num_seqs": 8,
+            "cold": {"seconds": 2.0, "compiled_after_seconds": 90.5, "compiled": True, "compile_seconds": {"t": 60.0}},
+            "warm": {"error": "not ready within 1800 s"},
+        }
+    }
+    table = "\n".join(startup_table(results))
+    assert "| cold | 2.0 | 90.5 | yes | t 60.0 s |" in table and "not ready within 1800 s" in table
+    assert startup_table({}) == []

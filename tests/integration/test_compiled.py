@@ -61,9 +61,7 @@ def test_compiled_target_with_an_oracle_drafter(target, reference):
     """High acceptance: full blocks and the bonus token on the compiled verify; the drafter
     overrides its forward, so it runs eagerly beside the compiled target."""
     refs = {i: PROMPTS[i] + reference[i] for i in range(len(PROMPTS))}
-    engine = compiled(
-        tiny_engine(target, oracle_drafter(target, refs, 8, 0.2), 8, max_num_seqs=4, enforce_eager=False)
-    )
+    engine = compiled(tiny_engine(target, oracle_drafter(target, refs, 8, 0.2), 8, max_num_seqs=4, enforce_eager=False))
     assert engine.runner.compiled and engine.runner._draft_forward is None
     outputs = LLM.from_engine(engine).generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in outputs] == reference
@@ -80,7 +78,7 @@ def test_padding_never_writes_a_live_slot(compiled_spec):
     changed = (cache.k != before[0]).any(-1).any(0).any(1)  # [slots, positions]
     assert changed[0, 10:18].all() and not changed[0, 18:].any() and not changed[0, :10].any()
     assert changed[1, 20:23].all() and not changed[1, 23:].any() and not changed[1, :20].any()
-    assert not changed[2:runner.scratch_slot].any()
+    assert not changed[2 : runner.scratch_slot].any()
 
 
 def test_compiled_verify_matches_eager_logits(target, compiled_spec):

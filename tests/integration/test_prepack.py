@@ -52,7 +52,9 @@ def _bf16_models(seed: int):
 
 
 def _decode(target, drafter, block_size: int) -> list[list[int]]:
-    config = EngineConfig(block_size=block_size, max_num_seqs=4, max_model_len=128, device="cpu", dtype="bfloat16")
+    config = EngineConfig(
+        block_size=block_size, max_num_seqs=4, max_model_len=128, device="cpu", dtype="bfloat16", enforce_eager=True
+    )
     llm = LLM.from_engine(Engine(config, target, None, drafter if block_size > 1 else None))
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, seed=7))

@@ -43,7 +43,12 @@ def prompts(model):
 def _engine(model, drafter, block_size, max_num_seqs=3):
     _folder, tokenizer, target, eos = model
     config = EngineConfig(
-        block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=512, device="cpu", dtype="float32"
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=512,
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
     )
     return Engine(config, target, tokenizer, drafter, eos, "SmolLM2-135M-Instruct")
 

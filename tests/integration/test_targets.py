@@ -116,7 +116,9 @@ def test_fallback_greedy_speculative_equals_autoregressive_and_transformers(tmp_
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
 
     def run(d, block):
-        config = EngineConfig(block_size=block, max_num_seqs=2, max_model_len=128, device="cpu", dtype="float32")
+        config = EngineConfig(
+            block_size=block, max_num_seqs=2, max_model_len=128, device="cpu", dtype="float32", enforce_eager=True
+        )
         return [c.token_ids for c in LLM.from_engine(Engine(config, target, None, d)).generate(prompts, params)]
 
     ar, spec = run(None, 1), run(drafter, 8)

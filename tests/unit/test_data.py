@@ -93,7 +93,9 @@ def test_build_dataset_resumes_from_its_journal(tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["What is 2+2?", "Name a color.", "Hi!"]))
-    engine = Engine.from_config(EngineConfig(block_size=1, max_num_seqs=4, max_model_len=256, dtype="float32"))
+    engine = Engine.from_config(
+        EngineConfig(block_size=1, max_num_seqs=4, max_model_len=256, dtype="float32", enforce_eager=True)
+    )
     config = DataConfig(
         num_prompts=0, max_prompt_tokens=8, max_response_tokens=8, multi_turn_fraction=0.0, heldout_fraction=0.0
     )

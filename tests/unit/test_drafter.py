@@ -640,3 +640,85 @@ def test_output_multiplier_and_softcap_transform_the_logits():
     raw_config = scaled.config.to_dict()
     assert raw_config["dflash_config"]["output_multiplier"] == 0.25
     assert raw_config["dflash_config"]["final_logit_softcapping"] == 2.0
+
+
+# ---- published configs read as the reference loaders read them (spec §1.1, §1.2) ----------------
+
+
+def _raw_config(**overrides):
+    raw = json.loads((TINY_V2 / "config.json").read_text())
+    raw.update(overrides)
+    return raw
+
+
+YARN = {"rope_theta": 1e7, "rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096}
+
+
+def test_scaled_rope_reaches_the_drafters_rotary_embedding():
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = DrafterConfig.from_dict(_raw_config(rope_parameters=YARN, max_position_embeddings=262144))
+    assert config.rope_parameters == YARN and config.rope_theta == 1e7
+    reference = Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        max_position_embeddings=262144, rope_parameters=dict(YARN),
+    )  # fmt: skip
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](reference, torch.device("cpu"))
+    rotary = DFlashDrafter(config).rotary
+    torch.testing.assert_close(rotary.inv_freq, inv_freq.float())
+    assert rotary.scaling == pytest.approx(scaling) and scaling != 1.0
+    plain = DFlashDrafter(DrafterConfig.from_dict(_raw_config())).rotary
+    assert not torch.allclose(plain.inv_freq, rotary.inv_freq)
+
+
+def test_legacy_rope_scaling_is_read_and_scaled_rope_round_trips(tmp_path):
+    legacy = _raw_config(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e6)
+    del legacy["rope_parameters"]
+    config = DrafterConfig.from_dict(legacy)
+    assert config.rope_parameters == {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0}
+    config.save(tmp_path)
+    assert DrafterConfig.from_file(tmp_path) == config
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "made-up"])
+def test_unsupported_rope_types_are_rejected(rope_type):
+    with pytest.raises(ValueError, match="rope_type"):
+        DrafterConfig.from_dict(_raw_config(rope_parameters={"rope_theta": 1e6, "rope_type": rope_type, "factor": 2.0}))
+
+
+def test_sliding_windows_follow_the_hugging_face_rule():
+    without_flag = _raw_config()
+    del without_flag["use_sliding_window"]
+    assert DrafterConfig.from_dict(without_flag).layer_window(0) is None  # as z-lab's, SGLang's, vLLM's loaders
+    assert DrafterConfig.from_dict(_raw_config(use_sliding_window=False)).layer_window(0) is None
+    assert DrafterConfig.from_dict(_raw_config()).layer_window(1) == 32
+    no_types = _raw_config(max_window_layers=1)
+    del no_types["layer_types"]
+    config = DrafterConfig.from_dict(no_types)
+    assert config.layer_types == ("full_attention", "sliding_attention") and config.layer_window(1) == 32
+
+
+def test_saved_windows_load_in_the_reference_layout(tmp_path):
+    from transformers import Qwen3Config
+
+    config = DrafterConfig.from_file(TINY_V2)
+    config.save(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["use_sliding_window"] is True and raw["sliding_window"] == 32
+    reference = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "dflash_config")})
+    assert reference.sliding_window == 32 and reference.layer_types == ["sliding_attention"] * 2
+    assert DrafterConfig.from_file(tmp_path) == config
+
+
+def test_load_skips_derived_rotary_tensors():
+    config = DrafterConfig.from_file(TINY_V2)
+    source = DFlashDrafter(config)
+    _randomize(source, seed=6)
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    state["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(6)
+    state["rotary_emb.inv_freq"] = torch.ones(6)
+    loaded = DFlashDrafter(config)
+    loaded.load_weights(state)
+    assert torch.equal(loaded.fc.weight, source.fc.weight)
