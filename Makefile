@@ -30,13 +30,13 @@ test: install
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check dflash2 server tests
-	$(BIN)/ruff format --check dflash2 server tests
+	$(BIN)/ruff check dflash2 server tests scripts
+	$(BIN)/ruff format --check dflash2 server tests scripts
 	$(BIN)/mypy
 
 format: install
-	$(BIN)/ruff format dflash2 server tests
-	$(BIN)/ruff check --fix dflash2 server tests
+	$(BIN)/ruff format dflash2 server tests scripts
+	$(BIN)/ruff check --fix dflash2 server tests scripts
 
 # THREADS=1 when other work shares the cores: oversubscribed torch threads wait on each other.
 THREADS ?=

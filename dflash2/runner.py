@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,7 @@ class StaticTarget(nn.Module):
         self.capture_layer_ids = tuple(capture_layer_ids)
         self.windows = [layer.sliding_window for layer in layers]
         self.layers = nn.ModuleList(_StaticLayer(layer) for layer in layers)
+        self.kv_heads: torch.Tensor
         self.register_buffer("kv_heads", torch.arange(self.num_kv_heads, device=cache.k.device), persistent=False)
         for i in range(len(layers)):
             self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
@@ -128,7 +129,7 @@ class StaticTarget(nn.Module):
         masks: dict[int | None, torch.Tensor] = {}
         index = (write_slots[:, :, None], self.kv_heads[None, None, :], write_positions[:, :, None])
         captured = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[_StaticLayer], list(self.layers))):
             window = self.windows[i]
             if window not in masks:
                 mask = visible
@@ -168,13 +169,15 @@ class _StaticLayer(nn.Module):
     def __init__(self, layer: Any) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.input_layernorm: nn.Module = layer.input_layernorm
+        self.post_attention_layernorm: nn.Module = layer.post_attention_layernorm
+        self.q_norm: nn.Module | None = attn.q_norm
+        self.k_norm: nn.Module | None = attn.k_norm
         self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
         self.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.o_proj = attn.o_proj
+        self.o_proj: nn.Module = attn.o_proj
         self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
+        self.down_proj: nn.Module = mlp.down_proj
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -216,6 +219,7 @@ class StaticDrafter(nn.Module):
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
         self.head = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
         self.dtype = drafter.dtype
+        self.block_offsets: torch.Tensor
         self.register_buffer("block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False)
         for i in range(self.config.num_hidden_layers):
             self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)

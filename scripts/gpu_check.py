@@ -31,13 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash2 import LLM, SamplingParams  # noqa: E402
-from dflash2.config import EngineConfig  # noqa: E402
-from dflash2.engine import Engine  # noqa: E402
-from dflash2.models.drafter import DFlashDrafter  # noqa: E402
-from dflash2.models.drafter_factory import drafter_config_for_target  # noqa: E402
-from dflash2.models.llama import TargetModel  # noqa: E402
-from dflash2.runner import ModelRunner  # noqa: E402
+from dflash2 import LLM, SamplingParams
+from dflash2.config import EngineConfig
+from dflash2.engine import Engine
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter_factory import drafter_config_for_target
+from dflash2.models.llama import TargetModel
+from dflash2.runner import ModelRunner
 
 TAU = 4.8  # the seed paper's average acceptance length at B = 8 (Qwen3 8B-27B targets)
 

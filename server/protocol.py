@@ -12,7 +12,8 @@ import dataclasses
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from dflash2.sampling import SamplingParams
 
@@ -27,9 +28,57 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class StrictModel(BaseModel):
-    """Base of request models: unknown fields and type coercions are errors."""
+    """Base of request models: unknown fields and type coercions are errors, and every string
+    must be valid Unicode (JSON's ``"\\ud800"`` escapes can smuggle in lone surrogates, which no
+    tokenizer, template or response encoder accepts)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key == "model":  # an unknown model name is a 404 (ModelInfo.check), not a 400
+                    continue
+                where = _lone_surrogate(value, (key,))
+                if where is not None:
+                    raise ValidationError.from_exception_data(
+                        cls.__name__,
+                        [
+                            InitErrorDetails(
+                                type=PydanticCustomError(
+                                    "invalid_unicode", "text must be valid Unicode (it contains a lone surrogate)"
+                                ),
+                                loc=where,
+                                input="…",
+                            )
+                        ],
+                    )
+        return data
+
+
+def _lone_surrogate(value: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
+    """The location of the first string under ``value`` that does not encode as UTF-8, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return loc
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate(key, loc) is not None:
+            return loc
+        found = _lone_surrogate(item, (*loc, key))
+        if found is not None:
+            return found
+    return None
 
 
 class RequestParamError(ValueError):

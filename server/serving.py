@@ -101,9 +101,8 @@ class ModelInfo:
     def check(self, requested: str | None) -> None:
         """Raises ModelNotFoundError unless ``requested`` is None or one of our names."""
         if requested is not None and requested not in self.accepted_names:
-            raise ModelNotFoundError(
-                f"the model '{requested}' does not exist; this server serves '{self.name}'", "model"
-            )
+            shown = requested.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates escaped
+            raise ModelNotFoundError(f"the model {shown!r} does not exist; this server serves '{self.name}'", "model")
 
 
 def visible_text(output: RequestOutput) -> str:
@@ -289,7 +288,8 @@ class OpenAIServing:
         except BaseException:
             ticket.release()
             raise
-        logger.info("%s: %d prompt tokens, n=%d, user=%s", request_id, len(ids), request.n, request.user)
+        # repr: a client's text never starts a new log line or carries control characters.
+        logger.info("%s: %d prompt tokens, n=%d, user=%r", request_id, len(ids), request.n, request.user)
         states = [ChoiceState() for _ in range(request.n)]
         return Generation(request_id, int(time.time()), len(ids), group, ticket, states)
 

@@ -13,6 +13,7 @@ import pytest
 from server.app import create_app
 from server.engine_client import EngineClient
 from server.settings import ServerSettings
+from tests.live_server import ServerThread
 from tests.server.conftest import asgi_client, wait_for
 from tests.server.fakes import FakeEngine
 
@@ -275,3 +276,26 @@ async def test_a_model_that_fails_to_load_is_reported():
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
             assert (await client.get("/health")).status_code == 503
             assert (await client.get("/health/ready")).json()["status"] == "failed"
+
+
+LONE_SURROGATE = b'"a\\ud800b"'  # a JSON escape Python's json module decodes into a lone surrogate
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (COMPLETIONS, b'{"model": "fake-model", "prompt": %s, "max_tokens": 2}', 400, "prompt"),
+        ("/tokenize", b'{"prompt": %s}', 400, "prompt"),
+        (CHAT, b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 2}', 400, "messages[0].content"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": [%s], "max_tokens": 2}', 400, "stop[0]"),
+        (COMPLETIONS, b'{"model": %s, "prompt": "hi", "max_tokens": 2}', 404, "model"),
+    ],
+)
+def test_lone_surrogates_are_client_errors_and_keep_the_connection(path, body, status, param):
+    """A real server on loopback: the error is 4xx, and the same keep-alive connection serves the next request."""
+    with ServerThread(FakeEngine()) as server, httpx.Client(base_url=server.url, trust_env=False) as client:
+        response = client.post(path, content=body % LONE_SURROGATE, headers={"content-type": "application/json"})
+        assert_error(response, status, param=param)
+        assert "\\ud800" not in response.text or status == 404  # the 404 names the model, escaped
+        again = client.post(COMPLETIONS, json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+        assert again.status_code == 200, again.text
