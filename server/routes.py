@@ -162,7 +162,7 @@ async def ready(state: State) -> JSONResponse:
     """Readiness: target and drafter loaded and not draining (compilation may still be running)."""
     status = state.readiness
     engine = state.client.engine
-    compiling = engine is not None and not engine.runner.wait_compiled(timeout=0)
+    compiling = engine is not None and engine.compiling
     return JSONResponse({"status": status, "compiling": compiling}, status_code=200 if status == "ready" else 503)
 
 

@@ -105,6 +105,25 @@ class ModelInfo:
             raise ModelNotFoundError(f"the model {shown!r} does not exist; this server serves '{self.name}'", "model")
 
 
+def template_variables(chat_template: Any) -> frozenset[str]:
+    """The variables a Jinja chat template (or a dict of named templates) reads: the only names
+    ``chat_template_kwargs`` may set, so a client can neither replace the template nor pass
+    tokenizer options (``chat_template``, ``padding``, ``max_length`` …) through it."""
+    import jinja2
+    from jinja2 import meta
+
+    sources = list(chat_template.values()) if isinstance(chat_template, dict) else [chat_template]
+    names: set[str] = set()
+    environment = jinja2.Environment()
+    for source in sources:
+        if isinstance(source, str):
+            try:
+                names |= meta.find_undeclared_variables(environment.parse(source))
+            except jinja2.TemplateError:
+                continue
+    return frozenset(names)
+
+
 def visible_text(output: RequestOutput) -> str:
     """The text of one engine output as clients see it.
 
@@ -221,6 +240,7 @@ class OpenAIServing:
         self.admission = admission
         self._token_text = TokenText(model.tokenizer)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="dflash2-tokenizer")
+        self._template_variables = template_variables(getattr(model.tokenizer, "chat_template", None))
 
     def close(self) -> None:
         """Stop the tokenizer thread."""
@@ -316,6 +336,14 @@ class OpenAIServing:
         tokenizer = self._require_tokenizer("messages")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        unread = sorted(set(template_kwargs or {}) - self._template_variables)
+        if unread:
+            reads = ", ".join(sorted(self._template_variables - {"messages", "add_generation_prompt"})) or "none"
+            raise InvalidRequestError(
+                f"chat_template_kwargs: this model's chat template does not read {', '.join(unread)} "
+                f"(the variables it reads: {reads})",
+                "chat_template_kwargs",
+            )
         try:
             ids = tokenizer.apply_chat_template(
                 [m.to_template() for m in messages],

@@ -22,7 +22,7 @@ FAIL_MARKER = "FAIL"
 class FakeTokenizer:
     """One token per character (code point < 256); the chat template tags each message with its role."""
 
-    chat_template = "{{ messages }}"
+    chat_template = "{{ messages }}{% if enable_thinking %}{% endif %}{% if explode %}{% endif %}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
@@ -67,6 +67,7 @@ class FakeEngine:
     vocab_size = 256
     block_size = 4
     eos_token_ids = (0,)
+    compiling = False
 
     def __init__(self, max_model_len: int = 64, max_num_seqs: int = 2, step_delay: float = 0.0) -> None:
         self.max_model_len = max_model_len

@@ -93,6 +93,10 @@ async def test_wrong_types_are_400_naming_the_field(fields, param):
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "{% for i in range(9) %}{% endfor %}"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"padding": "max_length", "max_length": 10**7}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"enable_thinking": {"nested": True}}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"enable_thinking": "x" * 257}}, "chat_template_kwargs"),
     ],
 )
 async def test_out_of_range_values_are_400_naming_the_field(fields, param):
@@ -222,6 +226,16 @@ async def test_engine_failure_is_500_for_that_request_only():
         assert state.client.is_alive
         await wait_for(lambda: not state.client.engine.has_unfinished_requests())
         assert state.client.engine.scheduler.running == []
+
+
+async def test_template_variables_the_template_reads_are_accepted():
+    async with asgi_client() as (client, _):
+        response = await client.post(CHAT, json=chat_body(chat_template_kwargs={"enable_thinking": False}))
+        assert response.status_code == 200, response.text
+        tokenized = await client.post(
+            "/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"padding": True}}
+        )
+        assert_error(tokenized, 400, param="chat_template_kwargs")
 
 
 async def test_chat_template_failure_is_400():
