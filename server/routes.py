@@ -161,9 +161,10 @@ async def health(state: State) -> JSONResponse:
 async def ready(state: State) -> JSONResponse:
     """Readiness: target and drafter loaded and not draining (compilation may still be running)."""
     status = state.readiness
+    if status != "ready":
+        return JSONResponse({"status": status}, status_code=503)
     engine = state.client.engine
-    compiling = engine is not None and engine.compiling
-    return JSONResponse({"status": status, "compiling": compiling}, status_code=200 if status == "ready" else 503)
+    return JSONResponse({"status": status, "compiling": engine is not None and engine.compiling})
 
 
 @public.get("/metrics", response_class=Response)
