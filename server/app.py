@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -90,7 +91,28 @@ def create_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(api)
     app.include_router(public)
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+# Paths behind --api-key (the `api` router); /openapi.json declares the bearer scheme for them.
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the bearer security scheme on the API paths."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "the server's --api-key, if any"}
+        for path, operations in schema.get("paths", {}).items():
+            if path.startswith(_PROTECTED_PREFIXES):
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _become_ready(state: ServerState) -> None:

@@ -132,6 +132,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     headers = {"Retry-After": _RETRY_AFTER_SECONDS[kind.status]} if kind.status in _RETRY_AFTER_SECONDS else None
     if kind.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, HTTPException) and exc.headers:  # e.g. Starlette's Allow on a 405
+        headers = {**(headers or {}), **exc.headers}
     return JSONResponse(error_body(exc).model_dump(), status_code=kind.status, headers=headers)
 
 

@@ -108,6 +108,12 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+# With stream: true the same 200 is a server-sent event stream of chunks, ending with `data: [DONE]`.
+_SSE_ALTERNATIVE: dict[str, Any] = {
+    "description": "JSON, or with stream: true server-sent events (chunk objects, then data: [DONE])",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
 api = APIRouter(dependencies=[Depends(check_api_key)], responses=ERROR_RESPONSES)
 public = APIRouter()
 
@@ -115,7 +121,7 @@ public = APIRouter()
 @api.post(
     "/v1/chat/completions",
     response_model=None,
-    responses={200: {"model": ChatCompletionResponse, "description": "JSON, or SSE chunks with stream: true"}},
+    responses={200: {"model": ChatCompletionResponse, **_SSE_ALTERNATIVE}},
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, serving: Serving) -> Response:
     """OpenAI chat completions (``stream: true`` for server-sent events)."""
@@ -125,7 +131,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 @api.post(
     "/v1/completions",
     response_model=None,
-    responses={200: {"model": CompletionResponse, "description": "JSON, or SSE chunks with stream: true"}},
+    responses={200: {"model": CompletionResponse, **_SSE_ALTERNATIVE}},
 )
 async def create_completion(body: CompletionRequest, request: Request, serving: Serving) -> Response:
     """OpenAI text completions; ``prompt`` is text or a list of token ids."""

@@ -248,7 +248,9 @@ async def test_chat_template_failure_is_400():
 async def test_unknown_route_and_method_use_the_envelope():
     async with asgi_client() as (client, _):
         assert_error(await client.get("/v1/nothing"), 404)
-        assert_error(await client.get(CHAT), 405)
+        response = await client.get(CHAT)
+        assert_error(response, 405)
+        assert response.headers["allow"] == "POST"
 
 
 async def test_not_ready_while_loading_and_while_draining():
@@ -313,3 +315,16 @@ def test_lone_surrogates_are_client_errors_and_keep_the_connection(path, body, s
         assert "\\ud800" not in response.text or status == 404  # the 404 names the model, escaped
         again = client.post(COMPLETIONS, json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
         assert again.status_code == 200, again.text
+
+
+async def test_openapi_declares_bearer_security_and_event_streams():
+    async with asgi_client() as (client, _):
+        schema = (await client.get("/openapi.json")).json()
+    assert schema["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "the server's --api-key, if any",
+    }
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert chat["security"] == [{"bearer": []}] and "text/event-stream" in chat["responses"]["200"]["content"]
+    assert "security" not in schema["paths"]["/health"]["get"]
