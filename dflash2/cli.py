@@ -6,9 +6,9 @@ Engine flags are shared by every subcommand and take their defaults from ``Engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
 import shlex
 import sys
 import time
@@ -17,112 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from dflash2.bench.config import METHOD_FAMILIES, PROMPT_SETS, BenchConfig
-from dflash2.config import DTYPES, EngineConfig
+from dflash2.config import EngineConfig
+from dflash2.engine_args import (
+    LOG_LEVEL_HELP,
+    UNUSED_ENGINE_FLAGS,
+    add_engine_args,
+    default_log_level,
+    engine_config_from_args,
+)
 from dflash2.request import mean_acceptance_length
 from dflash2.sampling import SamplingParams
 
-_DEFAULTS = EngineConfig()
 _BENCH_DEFAULTS = BenchConfig()
-
-
-LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, … (default: $DFLASH2_LOG_LEVEL or WARNING)"
-
-
-def default_log_level() -> str:
-    """The log level when ``--log-level`` is not given: ``$DFLASH2_LOG_LEVEL`` or WARNING."""
-    return os.environ.get("DFLASH2_LOG_LEVEL", "WARNING")
-
-
-# Engine flags a subcommand does not use, by destination name: they are not offered there, so a
-# mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
-_UNUSED_ENGINE_FLAGS = {
-    "data": ("drafter", "block_size", "use_selector", "seed"),
-    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed", "enforce_eager"),
-    "eval": ("block_size", "max_model_len", "seed", "enforce_eager"),
-}
-
-
-def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -> None:
-    """Model and engine flags (names follow SGLang / vLLM where they exist), less ``omit`` (dest names)."""
-    g = _FilteredGroup(parser.add_argument_group("model and engine"), omit)
-    g.add_argument(
-        "--model",
-        default=_DEFAULTS.model,
-        help="target: local Hugging Face folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--speculative-draft-model-path",
-        "--drafter",
-        dest="drafter",
-        default=_DEFAULTS.drafter,
-        help="DFlash / DFlash 2 drafter folder (config.json + model.safetensors)",
-    )
-    g.add_argument(
-        "--speculative-num-draft-tokens",
-        "--block-size",
-        dest="block_size",
-        type=int,
-        default=_DEFAULTS.block_size,
-        help="block size B, anchor included (1 = autoregressive; default: the drafter's)",
-    )
-    g.add_argument(
-        "--no-selector",
-        dest="use_selector",
-        action="store_false",
-        help="draft with unary scores only (DFlash 2 selector off)",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_DEFAULTS.max_num_seqs,
-        help="requests decoded together (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=_DEFAULTS.max_model_len,
-        help="prompt + output tokens per request (default: min(model limit, 2048))",
-    )
-    g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, …")
-    g.add_argument(
-        "--dtype",
-        default=_DEFAULTS.dtype,
-        choices=["auto", *DTYPES],
-        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)",
-    )
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=_DEFAULTS.enforce_eager,
-        help="run every forward eagerly (default: compiled decode and draft forwards, cached between runs)",
-    )
-    g.add_argument(
-        "--threads",
-        dest="num_threads",
-        type=int,
-        default=_DEFAULTS.num_threads,
-        help="torch CPU threads (default: torch's choice)",
-    )
-
-
-class _FilteredGroup:
-    """An argument group that skips the arguments whose destination is in ``omit``."""
-
-    def __init__(self, group: Any, omit: Sequence[str]) -> None:
-        self.group, self.omit = group, set(omit)
-
-    def add_argument(self, *names: str, **kwargs: Any) -> None:
-        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
-        if dest not in self.omit:
-            self.group.add_argument(*names, **kwargs)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the frozen ``EngineConfig`` from parsed flags (defaults for flags a subcommand lacks)."""
-    names: tuple[str, ...] = ("model", "drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len")
-    names += ("device", "dtype", "seed", "num_threads", "enforce_eager")
-    return EngineConfig(**{name: getattr(args, name, getattr(_DEFAULTS, name)) for name in names})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -185,7 +91,7 @@ def _data(args: argparse.Namespace) -> int:
     from dflash2.train.data import DataConfig, build_dataset
 
     config = engine_config_from_args(args)
-    engine = Engine.from_config(EngineConfig(**{**config.to_dict(), "block_size": 1}))
+    engine = Engine.from_config(dataclasses.replace(config, block_size=1))
     data_config = DataConfig(
         num_prompts=args.num_prompts,
         max_prompt_tokens=args.max_prompt_tokens,
@@ -420,12 +326,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``dflash2`` argument parser with all subcommands."""
-    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
-    parser.add_argument("--log-level", default=default_log_level(), help=LOG_LEVEL_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary")
+def add_generate_args(gen: argparse.ArgumentParser) -> None:
+    """Flags of ``dflash2 generate``."""
     gen.add_argument("--prompt", required=True, help="the user message (chat template applied unless --raw)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default: %(default)s)")
@@ -444,83 +346,115 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    data = sub.add_parser("data", help="synthesize a drafter training set from the target itself")
+
+def add_data_args(data: argparse.ArgumentParser) -> None:
+    """Flags of ``dflash2 data`` (defaults from ``DataConfig``)."""
+    from dflash2.train.data import DataConfig
+
+    d = DataConfig()
     data.add_argument("--out", required=True, help="output folder (dataset.safetensors, manifest.json, …)")
-    data.add_argument("--num-prompts", type=int, default=1000, help="prompts to synthesize (0 = only --prompts)")
+    data.add_argument(
+        "--num-prompts", type=int, default=d.num_prompts, help="prompts to synthesize (0 = only --prompts)"
+    )
     data.add_argument("--prompts", type=Path, default=None, help="JSONL of {prompt} or {messages} to add")
     data.add_argument(
-        "--max-prompt-tokens", type=int, default=96, help="longest synthesized user message (default: %(default)s)"
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help="longest synthesized user message (default: %(default)s)",
     )
-    data.add_argument("--max-response-tokens", type=int, default=256, help="longest answer (default: %(default)s)")
+    data.add_argument(
+        "--max-response-tokens", type=int, default=d.max_response_tokens, help="longest answer (default: %(default)s)"
+    )
     data.add_argument(
         "--response-temperature",
         type=float,
-        default=0.0,
+        default=d.response_temperature,
         help="temperature of the answers (default: %(default)s = greedy)",
     )
     data.add_argument(
         "--multi-turn-fraction",
         type=float,
-        default=0.15,
+        default=d.multi_turn_fraction,
         help="share of conversations with a follow-up turn (default: %(default)s)",
     )
     data.add_argument(
         "--heldout-fraction",
         type=float,
-        default=0.05,
+        default=d.heldout_fraction,
         help="share of prompts held out of training (default: %(default)s)",
     )
     data.add_argument(
-        "--data-seed", type=int, default=0, help="seed of topics, temperatures and the split (default: %(default)s)"
+        "--data-seed",
+        type=int,
+        default=d.seed,
+        help="seed of topics, temperatures and the split (default: %(default)s)",
     )
-    add_engine_args(data, _UNUSED_ENGINE_FLAGS["data"])
+    add_engine_args(data, UNUSED_ENGINE_FLAGS["data"])
     data.set_defaults(func=_data, max_num_seqs=16)
 
-    train = sub.add_parser("train", help="train a DFlash / DFlash 2 drafter against the target")
+
+def add_train_args(train: argparse.ArgumentParser) -> None:
+    """Flags of ``dflash2 train`` (defaults from ``TrainConfig``)."""
+    from dflash2.train.trainer import TrainConfig
+
+    t = TrainConfig()
     train.add_argument("--data", type=Path, required=True, help="folder written by `dflash2 data`")
     train.add_argument("--run-dir", type=Path, required=True, help="checkpoints and log.jsonl (resumed if present)")
     train.add_argument("--out", type=Path, required=True, help="export folder (config.json + model.safetensors)")
     train.add_argument("--features", type=Path, default=None, help="feature cache file (default: in --data)")
-    train.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    train.add_argument("--steps", type=int, default=t.steps, help="optimizer steps (default: %(default)s)")
     train.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
-    train.add_argument("--train-block-size", type=int, default=8, help="block size B trained at (default: %(default)s)")
-    train.add_argument("--num-layers", type=int, default=3, help="drafter layers (default: %(default)s)")
+    train.add_argument(
+        "--train-block-size", type=int, default=t.block_size, help="block size B trained at (default: %(default)s)"
+    )
+    train.add_argument("--num-layers", type=int, default=t.num_layers, help="drafter layers (default: %(default)s)")
     train.add_argument("--no-conv", action="store_true", help="no DFlash 2 dynamic convolution")
     train.add_argument(
         "--no-train-selector", dest="no_selector", action="store_true", help="no DFlash 2 candidate selector"
     )
-    train.add_argument("--selector-rank", type=int, default=32, help="selector rank r (default: %(default)s)")
-    train.add_argument("--selector-top-k", type=int, default=16, help="candidates per slot (default: %(default)s)")
     train.add_argument(
-        "--selector-alpha", type=float, default=0.5, help="weight of the selector loss (default: %(default)s)"
+        "--selector-rank", type=int, default=t.selector_rank, help="selector rank r (default: %(default)s)"
+    )
+    train.add_argument(
+        "--selector-top-k", type=int, default=t.selector_top_k, help="candidates per slot (default: %(default)s)"
+    )
+    train.add_argument(
+        "--selector-alpha",
+        type=float,
+        default=t.selector_alpha,
+        help="weight of the selector loss (default: %(default)s)",
     )
     train.add_argument(
         "--draft-vocab-size",
         type=int,
-        default=16384,
+        default=t.draft_vocab_size,
         help="restrict the drafter's LM head to this many frequency-ranked tokens (0 = full vocabulary)",
     )
-    train.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
+    train.add_argument("--lr", type=float, default=t.lr, help="peak AdamW learning rate (default: %(default)s)")
     train.add_argument(
-        "--blocks-per-step", type=int, default=256, help="blocks per optimizer step (default: %(default)s)"
+        "--blocks-per-step",
+        type=int,
+        default=t.blocks_per_step,
+        help="blocks per optimizer step (default: %(default)s)",
     )
     train.add_argument(
         "--distill-weight",
         type=float,
-        default=0.0,
+        default=t.distill_weight,
         help="β of (1−β)·CE(hard label) + β·CE(target's top-k distribution); >0 caches the target's "
         "top-k log-probabilities with the features (default: %(default)s)",
     )
     train.add_argument(
         "--distill-top-k",
         type=int,
-        default=16,
+        default=t.distill_top_k,
         help="entries of the target's distribution kept per token for --distill-weight (default: %(default)s)",
     )
     train.add_argument(
         "--anchors-per-sequence",
         type=int,
-        default=32,
+        default=t.anchors_per_sequence,
         help="blocks drawn from one conversation at most (default: %(default)s)",
     )
     train.add_argument(
@@ -536,22 +470,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     train.add_argument(
-        "--train-seed", type=int, default=0, help="seed of initialisation and sampling (default: %(default)s)"
+        "--train-seed", type=int, default=t.seed, help="seed of initialisation and sampling (default: %(default)s)"
     )
     train.add_argument(
-        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (default: %(default)s)"
+        "--checkpoint-every",
+        type=int,
+        default=t.checkpoint_every,
+        help="steps between checkpoints (default: %(default)s)",
     )
     train.add_argument(
         "--eval-every",
         type=int,
-        default=100,
+        default=t.eval_every,
         help="steps between held-out evaluations: teacher-forced τ and top-1, logged and plotted "
         "(0 = never; default: %(default)s)",
     )
-    add_engine_args(train, _UNUSED_ENGINE_FLAGS["train"])
+    add_engine_args(train, UNUSED_ENGINE_FLAGS["train"])
     train.set_defaults(func=_train)
 
-    ev = sub.add_parser("eval", help="acceptance length, per-position acceptance and recall of a drafter")
+
+def add_eval_args(ev: argparse.ArgumentParser) -> None:
+    """Flags of ``dflash2 eval``."""
     ev.add_argument("--out", type=Path, required=True, help="folder for eval.json, eval.md and acceptance.png")
     ev.add_argument("--data", type=Path, default=None, help="`dflash2 data` folder (held-out prompts, recall)")
     ev.add_argument(
@@ -574,8 +513,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-prompts of them); 0 skips them (default: %(default)s)",
     )
     ev.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (default: %(default)s)")
-    add_engine_args(ev, _UNUSED_ENGINE_FLAGS["eval"])
+    add_engine_args(ev, UNUSED_ENGINE_FLAGS["eval"])
     ev.set_defaults(func=_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash2`` argument parser with all subcommands."""
+    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash 2 speculative decoding")
+    parser.add_argument("--log-level", default=default_log_level(), help=LOG_LEVEL_HELP)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary")
+    add_generate_args(gen)
+    data = sub.add_parser("data", help="synthesize a drafter training set from the target itself")
+    add_data_args(data)
+    train = sub.add_parser("train", help="train a DFlash / DFlash 2 drafter against the target")
+    add_train_args(train)
+    ev = sub.add_parser("eval", help="acceptance length, per-position acceptance and recall of a drafter")
+    add_eval_args(ev)
 
     from server.settings import add_server_args  # standard library only: no FastAPI while parsing
 

@@ -35,7 +35,7 @@ from dflash2.request import (
     mean_acceptance_length,
 )
 from dflash2.runner import ModelRunner
-from dflash2.sampling import LogitsContext, SamplingParams, sample_from_probs, target_probs
+from dflash2.sampling import LogitsContext, SamplingParams, check_token_ids, sample_from_probs, target_probs
 from dflash2.scheduler import Scheduler
 from dflash2.selector import Proposal
 from dflash2.verify import rejection_accept
@@ -107,7 +107,6 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._lock = threading.Lock()
-        self._pending_outputs: list[RequestOutput] = []
         self._log_memory()
 
     # ---- construction ---------------------------------------------------------------------
@@ -204,14 +203,10 @@ class Engine:
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_token_ids(prompt_ids, self.vocab_size, "prompt")
+        params.check_vocabulary(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if params.top_k > self.vocab_size:
-            raise ValueError(f"top_k must be at most the vocabulary size ({self.vocab_size})")
-        if any(not 0 <= t < self.vocab_size for t in (*params.logit_bias, *params.stop_token_ids)):
-            raise ValueError(f"logit_bias and stop_token_ids token ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
@@ -261,7 +256,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while anything is queued, running or waiting in the inbox."""
         with self._lock:
-            pending = bool(self._inbox) or bool(self._pending_outputs)
+            pending = bool(self._inbox)
         return pending or bool(self.scheduler.running) or bool(self.scheduler.waiting)
 
     # ---- the step -----------------------------------------------------------------------------
@@ -300,7 +295,7 @@ class Engine:
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             items, self._inbox = list(self._inbox), deque()
-            outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[RequestOutput] = []
         for kind, item in items:
             if kind == "add":
                 if self.scheduler.find(item.request_id) is not None:
@@ -383,12 +378,10 @@ class Engine:
     ) -> list[RequestOutput]:
         """Commit the prompts and each request's first token."""
         logits, first_ids = result
-        now = time.monotonic()
         stats.num_prefills += len(requests)
         stats.num_prefill_tokens += sum(len(r.prompt_ids) for r in requests)
         outputs = []
         for i, request in enumerate(requests):
-            request.scheduled_time = request.first_token_time = now
             request.num_cached = len(request.prompt_ids)
             self.runner.rollback(self._slot(request), request.num_cached)
             logprob_rows = logits[i, :1] if request.params.logprobs is not None else None
@@ -514,37 +507,38 @@ class Engine:
     def _commit_tokens(
         self, request: Request, token_ids: list[int], logits: torch.Tensor | None, stats: StepStats
     ) -> tuple[list[int], str, list[TokenLogprob] | None]:
-        """Append tokens one at a time until a stop; returns the committed tokens, text and logprobs.
+        """Append tokens up to the first stop; returns the committed tokens, text and logprobs.
 
-        Stops, in order per token: stop token ids, EOS (unless ``ignore_eos``), stop strings,
-        ``max_tokens``. Tokens after the stop are dropped with their text and logprobs.
+        Stops, in order for each token: a stop string it completes, a stop token id, EOS (unless
+        ``ignore_eos``), ``max_tokens``. Tokens after the stop are dropped with their text and
+        logprobs.
         """
         params = request.params
-        committed: list[int] = []
-        text = ""
-        for token in token_ids:
-            request.output_ids.append(token)
-            committed.append(token)
-            if request.detokenizer is not None:
-                result = request.detokenizer.add_tokens([token])
-                text += result.text
-                if result.stop_string is not None:
-                    request.finish_reason, request.stop_reason = FinishReason.STOP, result.stop_string
-                    break
+        # The first token that ends the request by its id or by the length limit, if any.
+        end, reason = len(token_ids), None
+        for i, token in enumerate(token_ids):
             if token in params.stop_token_ids:
-                request.finish_reason, request.stop_reason = FinishReason.STOP, token
+                end, reason = i + 1, (FinishReason.STOP, token)
             elif token in self.eos_token_ids and not params.ignore_eos:
-                request.finish_reason = FinishReason.STOP
-            elif request.remaining_tokens <= 0:
-                request.finish_reason = FinishReason.LENGTH
-            if request.is_finished:
+                end, reason = i + 1, (FinishReason.STOP, None)
+            elif len(request.output_ids) + i + 1 >= params.max_tokens:
+                end, reason = i + 1, (FinishReason.LENGTH, None)
+            if reason is not None:
                 break
-        if request.is_finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
-            text += request.detokenizer.flush()  # release text held back for a stop string that never came
-        request.output_text += text
+        committed = token_ids[:end]
+        text = ""
+        if request.detokenizer is not None:
+            result = request.detokenizer.add_tokens(committed)
+            text = result.text
+            if result.stop_index is not None:  # a stop string at or before that token wins
+                committed = committed[: result.stop_index + 1]
+                reason = (FinishReason.STOP, result.stop_string)
+        request.output_ids.extend(committed)
+        if reason is not None:
+            request.finish_reason, request.stop_reason = reason
+            if request.detokenizer is not None and not isinstance(request.stop_reason, str):
+                text += request.detokenizer.flush()  # release text held back for a stop string that never came
         logprobs = self._logprobs(committed, logits, params.logprobs) if logits is not None else None
-        if logprobs is not None:
-            request.logprobs.extend(logprobs)
         stats.num_generated_tokens += len(committed)
         return committed, text, logprobs
 

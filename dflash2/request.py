@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,20 +60,15 @@ class Request:
     params: SamplingParams
     generator: torch.Generator
     detokenizer: Any
-    arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    output_text: str = ""
 
     @property
     def is_finished(self) -> bool:

@@ -81,6 +81,18 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Checks against the loaded model's vocabulary.
+
+        Raises:
+            ValueError: naming the field: ``top_k`` above ``vocab_size``, or ``logit_bias`` /
+                ``stop_token_ids`` ids outside ``[0, vocab_size)``.
+        """
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}")
+        check_token_ids(list(self.logit_bias), vocab_size, "logit_bias")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
     @property
     def is_greedy(self) -> bool:
         """True when the request decodes by argmax (temperature 0)."""
@@ -90,6 +102,16 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when a count-based penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, name: str) -> None:
+    """The one check of token ids against a vocabulary.
+
+    Raises:
+        ValueError: ``"<name> token ids must be in [0, V)"`` when one is outside.
+    """
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
 
 
 @dataclass

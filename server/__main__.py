@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from dflash2.cli import LOG_LEVEL_HELP, add_engine_args, default_log_level, engine_config_from_args
+from dflash2.engine_args import LOG_LEVEL_HELP, add_engine_args, default_log_level, engine_config_from_args
 from server.settings import add_server_args, settings_from_args
 
 

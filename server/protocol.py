@@ -223,30 +223,23 @@ class SamplingRequest(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise RequestParamError("stream_options is only allowed when stream is true", "stream_options")
 
-    def to_sampling_params(self, default_max_tokens: int, vocab_size: int) -> list[SamplingParams]:
-        """Engine parameters, one per choice (seeded choices get seed, seed+1, …).
+    def to_sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
+        """Engine parameters, one per choice (seeded choices get seed, seed+1, …); call
+        :meth:`check` first. Checks against the loaded model (token ids, ``top_k`` within the
+        vocabulary) are the engine's, at submission.
 
         Args:
             default_max_tokens: the limit when the client gives none.
-            vocab_size: token ids in ``logit_bias`` / ``stop_token_ids`` and ``top_k`` must be below it.
 
         Raises:
-            RequestParamError: a cross-field or token-id problem.
+            RequestParamError: a cross-field problem.
             ValueError: an engine-side range check (the message names the field).
         """
-        self.check()
         max_tokens = self.requested_max_tokens() or default_max_tokens
         if self.min_tokens > max_tokens:
             raise RequestParamError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         stop_ids = tuple(self.stop_token_ids or ())
-        for name, ids in (("logit_bias", bias), ("stop_token_ids", stop_ids)):
-            if any(not 0 <= t < vocab_size for t in ids):
-                raise RequestParamError(f"{name} token ids must be in [0, {vocab_size})", name)
-        if self.top_k > vocab_size:
-            raise RequestParamError(
-                f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}", "top_k"
-            )
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from dflash2.engine import ContextLengthExceededError
 from dflash2.request import RequestOutput, TokenLogprob
+from dflash2.sampling import check_token_ids
 from server.admission import Admission, Ticket
 from server.engine_client import EngineClient, RequestGroup
 from server.errors import (
@@ -315,7 +316,7 @@ class OpenAIServing:
 
     def _submit(self, request: SamplingRequest, prompt_ids: list[int], request_id: str) -> RequestGroup:
         default_max_tokens = max(1, self.model.max_model_len - len(prompt_ids))
-        params = _convert_param_errors(lambda: request.to_sampling_params(default_max_tokens, self.model.vocab_size))
+        params = _convert_param_errors(lambda: request.to_sampling_params(default_max_tokens))
         try:
             return self.client.submit(prompt_ids, params, request_id)
         except ContextLengthExceededError as exc:
@@ -379,8 +380,10 @@ class OpenAIServing:
         return self.model.tokenizer
 
     def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        if any(not 0 <= t < self.model.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"token ids must be in [0, {self.model.vocab_size})", param)
+        try:
+            check_token_ids(token_ids, self.model.vocab_size, param)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param) from exc
 
     # ---- responses -----------------------------------------------------------------------------
 

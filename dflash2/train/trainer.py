@@ -53,7 +53,7 @@ class TrainConfig:
         seed: sampling and initialisation seed.
         checkpoint_every: steps between checkpoints.
         draft_vocab_size: restrict the drafter's LM head to this many frequency-ranked tokens
-            (``draft_vocabulary``); 0 = the full vocabulary.
+            (``draft_vocabulary``); 0, or at least the vocabulary size, = the full vocabulary.
         init_drafter: start from the weights (and draft vocabulary) of this exported drafter
             folder instead of a fresh initialisation, e.g. to continue training in a new run;
             its shape must match these settings.
@@ -85,7 +85,7 @@ class TrainConfig:
     autocast_bf16: bool = False
     seed: int = 0
     checkpoint_every: int = 50
-    draft_vocab_size: int = 0
+    draft_vocab_size: int = 16384
     init_drafter: str | None = None
     eval_every: int = 100
     distill_weight: float = 0.0
@@ -197,8 +197,8 @@ class Trainer:
             p.requires_grad_(False)
         self.drafter = new_drafter(target, config, mask_token_id)
         self.drafter.bind_target(*target.embedding_weights())
-        if config.draft_vocab_size:
-            vocab_size = self.drafter.config.vocab_size
+        vocab_size = self.drafter.config.vocab_size
+        if 0 < config.draft_vocab_size < vocab_size:
             self.drafter.set_draft_vocab(draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size))
         if config.init_drafter:
             self._init_from_drafter(Path(config.init_drafter))

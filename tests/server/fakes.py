@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from dflash2.engine import ContextLengthExceededError
 from dflash2.request import RequestOutput, StepResult, StepStats, TokenLogprob
-from dflash2.sampling import SamplingParams
+from dflash2.sampling import SamplingParams, check_token_ids
 
 FAIL_MARKER = "FAIL"
 
@@ -87,8 +87,8 @@ class FakeEngine:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_token_ids(prompt_ids, self.vocab_size, "prompt")  # the engine's own checks
+        params.check_vocabulary(self.vocab_size)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

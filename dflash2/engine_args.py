@@ -1,0 +1,117 @@
+"""The engine's command-line flags, shared by ``dflash2`` (cli) and ``python -m server``.
+
+Flag names follow vLLM / SGLang where they exist; each flag's destination is the name of the
+``EngineConfig`` field it sets, and its default comes from ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from dflash2.config import DTYPES, EngineConfig
+
+_DEFAULTS = EngineConfig()
+
+
+LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, … (default: $DFLASH2_LOG_LEVEL or WARNING)"
+
+
+def default_log_level() -> str:
+    """The log level when ``--log-level`` is not given: ``$DFLASH2_LOG_LEVEL`` or WARNING."""
+    return os.environ.get("DFLASH2_LOG_LEVEL", "WARNING")
+
+
+# Engine flags a subcommand does not use, by destination name: they are not offered there, so a
+# mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
+UNUSED_ENGINE_FLAGS = {
+    "data": ("drafter", "block_size", "use_selector", "seed"),
+    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed", "enforce_eager"),
+    "eval": ("block_size", "max_model_len", "seed", "enforce_eager"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -> None:
+    """Model and engine flags (names follow SGLang / vLLM where they exist), less ``omit`` (dest names)."""
+    g = _FilteredGroup(parser.add_argument_group("model and engine"), omit)
+    g.add_argument(
+        "--model",
+        default=_DEFAULTS.model,
+        help="target: local Hugging Face folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        "--drafter",
+        dest="drafter",
+        default=_DEFAULTS.drafter,
+        help="DFlash / DFlash 2 drafter folder (config.json + model.safetensors)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        "--block-size",
+        dest="block_size",
+        type=int,
+        default=_DEFAULTS.block_size,
+        help="block size B, anchor included (1 = autoregressive; default: the drafter's)",
+    )
+    g.add_argument(
+        "--no-selector",
+        dest="use_selector",
+        action="store_false",
+        help="draft with unary scores only (DFlash 2 selector off)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_DEFAULTS.max_num_seqs,
+        help="requests decoded together (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_DEFAULTS.max_model_len,
+        help="prompt + output tokens per request (default: min(model limit, 2048))",
+    )
+    g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, …")
+    g.add_argument(
+        "--dtype",
+        default=_DEFAULTS.dtype,
+        choices=["auto", *DTYPES],
+        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)",
+    )
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=_DEFAULTS.enforce_eager,
+        help="run every forward eagerly (default: compiled decode and draft forwards, cached between runs)",
+    )
+    g.add_argument(
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=_DEFAULTS.num_threads,
+        help="torch CPU threads (default: torch's choice)",
+    )
+
+
+class _FilteredGroup:
+    """An argument group that skips the arguments whose destination is in ``omit``."""
+
+    def __init__(self, group: Any, omit: Sequence[str]) -> None:
+        self.group, self.omit = group, set(omit)
+
+    def add_argument(self, *names: str, **kwargs: Any) -> None:
+        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        if dest not in self.omit:
+            self.group.add_argument(*names, **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the frozen ``EngineConfig`` from parsed flags: every field of ``EngineConfig`` whose
+    flag the parser has (a flag's destination is the field's name), defaults for the rest."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**given)
