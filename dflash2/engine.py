@@ -515,7 +515,8 @@ class Engine:
         """
         params = request.params
         # The first token that ends the request by its id or by the length limit, if any.
-        end, reason = len(token_ids), None
+        end = len(token_ids)
+        reason: tuple[FinishReason, str | int | None] | None = None
         for i, token in enumerate(token_ids):
             if token in params.stop_token_ids:
                 end, reason = i + 1, (FinishReason.STOP, token)
@@ -659,15 +660,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[StepResult]:
         """Submit the prompts and yield every step's ``StepResult`` (deltas + ``StepStats``) until done."""
-        ids = self._submit(prompts, params)
-        remaining = set(ids)
-        while remaining:
-            result = self.engine.step()
-            result.outputs = [o for o in result.outputs if o.request_id in ids]
-            for output in result.outputs:
-                if output.finished:
-                    remaining.discard(output.request_id)
-            yield result
+        yield from self._steps(self._submit(prompts, params))
 
     def generate(
         self,
@@ -677,20 +670,22 @@ class LLM:
     ) -> list[Completion]:
         """Generate to completion; returns one ``Completion`` per prompt, in order."""
         ids = self._submit(prompts, params)
-        order = {rid: i for i, rid in enumerate(ids)}
-        completions = [Completion(request_id=rid) for rid in ids]
-        remaining = set(ids)
-        while remaining:
-            result = self.engine.step()
+        completions = {rid: Completion(request_id=rid) for rid in ids}
+        for result in self._steps(ids):
             if on_step is not None:
                 on_step(result)
             for output in result.outputs:
-                if output.request_id not in order:
-                    continue
-                completions[order[output.request_id]].add(output)
-                if output.finished:
-                    remaining.discard(output.request_id)
-        return completions
+                completions[output.request_id].add(output)
+        return [completions[rid] for rid in ids]
+
+    def _steps(self, ids: list[str]) -> Iterator[StepResult]:
+        """Step the engine until every request of ``ids`` has finished; outputs of others are dropped."""
+        wanted, remaining = set(ids), set(ids)
+        while remaining:
+            result = self.engine.step()
+            result.outputs = [o for o in result.outputs if o.request_id in wanted]
+            remaining -= {o.request_id for o in result.outputs if o.finished}
+            yield result
 
     def _submit(
         self,

@@ -53,9 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if self.top_k == -1:
@@ -102,6 +100,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when a count-based penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A stop string, a list of them or None, as the tuple ``SamplingParams.stop`` holds."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, name: str) -> None:

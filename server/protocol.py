@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from dflash2.sampling import SamplingParams
+from dflash2.sampling import SamplingParams, stop_strings
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
@@ -251,7 +251,7 @@ class SamplingRequest(StrictModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias=bias,
             seed=self.seed,
-            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop=stop_strings(self.stop),
             stop_token_ids=stop_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,

@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from dflash2.engine import ContextLengthExceededError
-from dflash2.request import RequestOutput, TokenLogprob
+from dflash2.request import RequestOutput, TokenLogprob, mean_acceptance_length
 from dflash2.sampling import check_token_ids
 from server.admission import Admission, Ticket
 from server.engine_client import EngineClient, RequestGroup
@@ -205,7 +205,7 @@ def spec_decode_info(states: Sequence[ChoiceState]) -> SpecDecodeInfo:
         draft_tokens=drafted,
         accepted_tokens=accepted,
         verify_steps=steps,
-        mean_acceptance_length=(accepted + steps) / steps if steps else 0.0,
+        mean_acceptance_length=mean_acceptance_length(accepted, steps),
     )
 
 
