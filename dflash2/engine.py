@@ -253,6 +253,10 @@ class Engine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests holding a KV slot (the ones a failed step was running)."""
+        return [r.request_id for r in self.scheduler.running]
+
     def has_unfinished_requests(self) -> bool:
         """True while anything is queued, running or waiting in the inbox."""
         with self._lock:

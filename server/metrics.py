@@ -30,7 +30,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from dflash2.request import StepStats
 
 if TYPE_CHECKING:
-    from server.engine_client import RequestTimings
+    from server.timings import RequestTimings
 
 PREFIX = "dflash2_"
 VLLM_PREFIX = "vllm:"

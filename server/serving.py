@@ -231,8 +231,11 @@ def _finite(logprob: float) -> float:
 class OpenAIServing:
     """The OpenAI endpoints over one engine client.
 
-    Prompts are tokenized on one worker thread (templates and long prompts never block the
-    event loop; one worker keeps the tokenizer single-threaded).
+    Prompts are tokenized and chat templates rendered on one worker thread, so templates and
+    long prompts never block the event loop. The tokenizer is used from two more threads, for
+    decoding only: the event loop (a request's incremental detokenizer decodes the prompt's tail
+    when the request is submitted; logprob token strings) and the engine thread (output text).
+    Hugging Face's fast tokenizers are safe to share between threads.
     """
 
     def __init__(self, client: EngineClient, model: ModelInfo, admission: Admission) -> None:

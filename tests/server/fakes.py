@@ -83,6 +83,9 @@ class FakeEngine:
     def kv_cache_usage(self) -> float:
         return len(self.scheduler.running) / self.scheduler.max_num_seqs
 
+    def running_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.scheduler.running]
+
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.engine_client import RequestTimings
 from server.metrics import TOKEN_COUNT_BUCKETS, Metrics, metric_specs, token_count_buckets
+from server.timings import RequestTimings
 from tests.server.conftest import asgi_client
 from tests.server.fakes import FakeEngine
 
