@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash2.config import DrafterConfig, EngineConfig
+from dflash2.config import EngineConfig
 from dflash2.engine import Engine
 from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter_config import DrafterConfig
 from dflash2.models.llama import TargetModel
 
 

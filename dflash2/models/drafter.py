@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash2.config import DrafterConfig
 from dflash2.kv_cache import KVCache
+from dflash2.models.drafter_config import DrafterConfig
 from dflash2.models.layers import (
     MLP,
     PackedLinear,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash2.config import DrafterConfig, default_target_layer_ids
+from dflash2.models.drafter_config import DrafterConfig, default_target_layer_ids
 
 
 def pick_mask_token_id(tokenizer: Any | None, vocab_size: int) -> int:

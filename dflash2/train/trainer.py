@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dflash2.config import DrafterConfig
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter_config import DrafterConfig
 from dflash2.models.drafter_factory import drafter_config_for_target
 from dflash2.train.blocks import LossTerms, block_losses, make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.config import DrafterConfig, default_target_layer_ids
 from dflash2.models.drafter import DFlashDrafter, DraftLayer, DynamicConv
+from dflash2.models.drafter_config import DrafterConfig, default_target_layer_ids
 from dflash2.models.loader import ModelLoadError, check_drafter_matches
 from dflash2.selector import lattice_scores, topk_candidates, walk
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
