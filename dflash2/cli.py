@@ -344,7 +344,8 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
         help="seed of this request (reproducible sampling)",
     )
     add_engine_args(gen)
-    gen.set_defaults(func=_generate)
+    # One prompt: one KV slot (and only the batch-1 graphs to compile).
+    gen.set_defaults(func=_generate, max_num_seqs=1)
 
 
 def add_data_args(data: argparse.ArgumentParser) -> None:

@@ -158,12 +158,6 @@ class Engine:
         return self.block_size > 1
 
     @property
-    def compiling(self) -> bool:
-        """True while compiled forwards are still being built in the background (the engine serves
-        meanwhile with eager forwards)."""
-        return not self.runner.wait_compiled(timeout=0)
-
-    @property
     def target_cache(self) -> Any:
         """The target's KV cache (owned by the runner)."""
         return self.runner.target_cache

@@ -33,7 +33,6 @@ import contextlib
 import copy
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -292,10 +291,10 @@ def _configure_compiler(device: torch.device) -> None:
 class ModelRunner:
     """Owns the target, the drafter and their caches; runs one step's forwards.
 
-    Compilation runs on a background thread (``background_compile``, the default) while the
-    forwards run eagerly; each compiled forward takes over once its graphs are built and warmed
-    up, so the engine serves from the start and reaches full speed when compilation ends
-    (:meth:`wait_compiled`). A failed compilation logs a warning and leaves that forward eager.
+    The constructor compiles and warms up every graph (a log line each) unless ``enforce_eager``;
+    a failed compilation logs a warning and leaves that forward eager. (Compiling on a thread while
+    eager forwards serve was tried: the compiler's Python work and C++ builds starved the engine
+    thread, 32 tokens took 33 s instead of 0.4 s, so an engine is ready when it is fast.)
 
     Args:
         target: the loaded target.
@@ -304,7 +303,6 @@ class ModelRunner:
         max_model_len: positions per slot.
         block_size: tokens per verify forward (1 = autoregressive).
         enforce_eager: never compile.
-        background_compile: compile on a thread (False: in the constructor).
     """
 
     def __init__(
@@ -315,7 +313,6 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         enforce_eager: bool = False,
-        background_compile: bool = True,
     ) -> None:
         self.target, self.drafter = target, drafter
         embed_weight = target.embedding_weights()[0]
@@ -337,32 +334,21 @@ class ModelRunner:
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.compile_times: dict[str, float] = {}
-        self.compile_seconds: float | None = None  # wall time of the whole compilation, once done
-        self._compile_done = threading.Event()
+        self.compile_seconds: float | None = None  # wall time of the whole compilation
         modules = []
         if not enforce_eager and self.device.type in ("cpu", "cuda"):
             try:
                 modules = self._static_modules()
             except Exception as error:
                 logger.warning("no static forwards, running eagerly: %s", _short(error))
-        self._prepack_eager()  # the eager modules serve until (or unless) the compiled ones take over
-        if not modules:
-            self._compile_done.set()
-        elif background_compile:
-            thread = threading.Thread(target=self._compile, args=(modules,), name="dflash2-compile", daemon=True)
-            thread.start()
-        else:
+        self._prepack_eager()  # prefill, and any forward that does not compile, runs these
+        if modules:
             self._compile(modules)
 
     @property
     def compiled(self) -> bool:
-        """True when the verify / decode forward runs compiled (now)."""
+        """True when the verify / decode forward runs compiled."""
         return self._target_forward is not None
-
-    def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until compilation has finished (or failed, or was never started); returns
-        False on timeout."""
-        return self._compile_done.wait(timeout)
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -378,34 +364,30 @@ class ModelRunner:
         return modules
 
     def _compile(self, modules: list[tuple[str, nn.Module]]) -> None:
-        """Compile and warm up each static module, then switch its forward over; on failure keep
-        that forward eager with a warning."""
+        """Compile and warm up each static module; on failure keep that forward eager with a warning."""
         start = time.perf_counter()
-        try:
-            _configure_compiler(self.device)
-            mode = "reduce-overhead" if self._cuda else None
-            for name, module in modules:
-                try:
-                    # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.
-                    forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, mode=mode)
-                    self._warm_up(name, forward)
-                except Exception as error:
-                    logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))
-                    continue
-                if name == "target":
-                    self._target_forward = forward
-                else:
-                    self._draft_forward = forward
-            self.compile_seconds = time.perf_counter() - start
-            if self.compile_times:
-                logger.info(
-                    "compiled %d graphs in %.1f s (cache: %s)",
-                    len(self.compile_times),
-                    self.compile_seconds,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-                )
-        finally:
-            self._compile_done.set()
+        _configure_compiler(self.device)
+        mode = "reduce-overhead" if self._cuda else None
+        for name, module in modules:
+            try:
+                # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.
+                forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, mode=mode)
+                self._warm_up(name, forward)
+            except Exception as error:
+                logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))
+                continue
+            if name == "target":
+                self._target_forward = forward
+            else:
+                self._draft_forward = forward
+        self.compile_seconds = time.perf_counter() - start
+        if self.compile_times:
+            logger.info(
+                "compiled %d graphs in %.1f s (cache: %s)",
+                len(self.compile_times),
+                self.compile_seconds,
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            )
 
     def _row_buckets(self) -> list[int]:
         """Row counts to build graphs for: 1 and ≥ 2 on CPU; every bucket up to the slots on CUDA."""

@@ -116,7 +116,6 @@ def check_greedy(config: Any, device: torch.device, num_tokens: int) -> tuple[bo
     oracle.bind_target(*target.embedding_weights())
     oracle = oracle.to(device)
     spec = Engine(EngineConfig(block_size=8, **base), target, None, oracle)
-    spec.runner.wait_compiled()
     assert spec.runner.compiled, "the target's verify forward did not compile"
     out = LLM.from_engine(spec).generate(prompt, params)[0]
     return out.token_ids == reference, out.mean_acceptance_length
@@ -147,7 +146,7 @@ def time_runner(
     """Timings of one runner over a fresh bfloat16 target (a runner pre-packs its eager modules on CPU)."""
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, block_size) if with_drafter else None
-    runner = ModelRunner(target, drafter, 1, 2048, block_size, enforce_eager=eager, background_compile=False)
+    runner = ModelRunner(target, drafter, 1, 2048, block_size, enforce_eager=eager)
     context = 1024
     runner.prefill([0], [list(range(context))], [0])
     runner.target_cache.rollback(0, context)

@@ -564,8 +564,6 @@ class VersionResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """``GET /health`` and ``GET /health/ready``; ``compiling`` (readiness only) is true while
-    the engine serves with eager forwards and compiles the fast ones in the background."""
+    """``GET /health`` and ``GET /health/ready``."""
 
     status: str
-    compiling: bool | None = None

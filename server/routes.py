@@ -165,12 +165,9 @@ async def health(state: State) -> JSONResponse:
 
 @public.get("/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def ready(state: State) -> JSONResponse:
-    """Readiness: target and drafter loaded and not draining (compilation may still be running)."""
+    """Readiness: target and drafter loaded (and compiled) and not draining."""
     status = state.readiness
-    if status != "ready":
-        return JSONResponse({"status": status}, status_code=503)
-    engine = state.client.engine
-    return JSONResponse({"status": status, "compiling": engine is not None and engine.compiling})
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
 
 @public.get("/metrics", response_class=Response)

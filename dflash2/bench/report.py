@@ -215,22 +215,20 @@ def startup_table(results: dict[str, Any]) -> list[str]:
     for label in ("cold", "warm"):
         run = startup.get(label) or {}
         if "error" in run:
-            body.append([label, "–", "–", "–", run["error"]])
+            body.append([label, "–", "–", run["error"]])
             continue
         graphs = ", ".join(f"{k} {v:.1f} s" for k, v in (run.get("compile_seconds") or {}).items())
         body.append(
             [
                 label,
                 fmt(run.get("seconds")),
-                fmt(run.get("compiled_after_seconds")),
                 "yes" if run.get("compiled") else "no",
                 graphs or "–",
             ]
         )
     header = [
         f"compile cache (B={startup.get('block_size')}, {startup.get('max_num_seqs')} slots)",
-        "s to ready (eager)",
-        "s to compiled",
+        "seconds to ready",
         "compiled",
         "per graph",
     ]

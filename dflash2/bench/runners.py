@@ -115,8 +115,6 @@ class EngineRunner:
         engine_class = CudaTimedEngine if config.torch_device.type == "cuda" else Engine
         self.config = config
         self.engine: Engine = engine_class.from_config(config)
-        # Measure the engine at full speed: wait for its background compilation.
-        self.engine.runner.wait_compiled()
         self.llm = LLM.from_engine(self.engine)
 
     def describe(self) -> dict[str, Any]:

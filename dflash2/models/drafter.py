@@ -10,12 +10,9 @@ H hidden size, F fused target layers, V vocab, K conv taps, G conv groups, r sel
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash2.kv_cache import KVCache
@@ -37,25 +34,11 @@ logger = logging.getLogger(__name__)
 # Candidates per slot for drafters without a selector (top-k of the unary logits).
 DEFAULT_TOP_K = 16
 
-# Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
-DRAFT_VOCAB_FILE = "draft_vocab.json"
-
 
 def draft_vocab_indices(draft_vocab: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Positions of ``token_ids [...]`` in the sorted ``draft_vocab [Vd]``; ``-1`` where absent."""
     index = torch.searchsorted(draft_vocab, token_ids.contiguous()).clamp(max=len(draft_vocab) - 1)
     return torch.where(draft_vocab[index] == token_ids, index, -1)
-
-
-# Tensors some checkpoints carry that are recomputed at load time, never learned.
-_DERIVED_TENSORS = ("rotary_emb.inv_freq",)
-
-# Names used by other publishers for the same tensors (spec §1.3).
-_KEY_ALIASES = (
-    ("encoder.fc.", "fc."),
-    ("encoder.output_norm_enc.", "hidden_norm."),
-    ("midlayer.", "layers.0."),
-)
 
 
 class DynamicConv(nn.Module):
@@ -295,6 +278,11 @@ class DFlashDrafter(nn.Module):
             self._packed_draft_head = PackedLinear(self._draft_head.to(self.dtype))
 
     @property
+    def is_prepacked(self) -> bool:
+        """True after :meth:`prepack` (the dense linear weights are gone: no training, no saving)."""
+        return self._prepacked
+
+    @property
     def dtype(self) -> torch.dtype:
         """The drafter's compute dtype."""
         return self.norm.weight.dtype
@@ -516,76 +504,3 @@ class DFlashDrafter(nn.Module):
     def selector_weights(self) -> SelectorWeights | None:
         """Selector tensors, or None for a drafter without a selector."""
         return self.candidate_selector.weights() if self.candidate_selector is not None else None
-
-    # ---- checkpoint -----------------------------------------------------------------------
-
-    def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1), plus
-        ``draft_vocab.json`` when a draft vocabulary is set (other loaders ignore it and draft
-        over the full vocabulary).
-
-        Raises:
-            RuntimeError: after :meth:`prepack`, which drops the dense linear weights.
-        """
-        if self._prepacked:
-            raise RuntimeError("a pre-packed drafter has no dense linear weights to save: save it before prepack()")
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.config.save(folder)
-        tensors = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        vocab_file = folder / DRAFT_VOCAB_FILE
-        if self.draft_vocab is not None:
-            vocab_file.write_text(json.dumps({"token_ids": self.draft_vocab.tolist()}) + "\n")
-        elif vocab_file.exists():
-            vocab_file.unlink()
-
-    @classmethod
-    def load(cls, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DFlashDrafter:
-        """Load a drafter folder; every tensor name and shape must match the config.
-
-        Raises:
-            FileNotFoundError: when config.json or the weights are missing.
-            ValueError: on missing, unexpected or mis-shaped tensors (all are listed).
-        """
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{folder} has no config.json: pass a drafter folder (config.json + model.safetensors)"
-            )
-        config = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text()))
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{folder} has no .safetensors weights")
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(str(file)))
-        model = cls(config)
-        model.load_weights(state)
-        if (folder / DRAFT_VOCAB_FILE).is_file():
-            model.set_draft_vocab(torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_ids"]))
-        return model.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` in, after alias remapping and a strict name/shape check (tensors that are
-        computed, not learned — ``rotary_emb.inv_freq`` — are skipped)."""
-        remapped = {}
-        for key, value in state.items():
-            if key.endswith(_DERIVED_TENSORS):
-                logger.debug("skipping derived tensor %s", key)
-                continue
-            key = key.removeprefix("model.")
-            for old, new in _KEY_ALIASES:
-                if key.startswith(old):
-                    key = new + key[len(old) :]
-            remapped[key] = value
-        expected = {k: v.shape for k, v in self.state_dict().items()}
-        missing = sorted(set(expected) - set(remapped))
-        unexpected = sorted(set(remapped) - set(expected))
-        wrong = sorted(k for k in expected.keys() & remapped.keys() if tuple(remapped[k].shape) != tuple(expected[k]))
-        if missing or unexpected or wrong:
-            raise ValueError(
-                "drafter checkpoint does not match its config.json: "
-                f"missing {missing[:8]}, unexpected {unexpected[:8]}, wrong shape {wrong[:8]}"
-            )
-        self.load_state_dict(remapped, strict=True)

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter_config import DrafterConfig
 from dflash2.models.hf_fallback import HFCausalLMTarget
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 
@@ -123,7 +125,7 @@ def load_drafter(folder: Path, target: Target, dtype: torch.dtype, device: torch
             target_layer_ids outside the target's layers.
     """
     try:
-        drafter = DFlashDrafter.load(folder, dtype=dtype, device=device)
+        drafter = read_drafter(folder, dtype=dtype, device=device)
     except (FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"cannot load drafter from {folder}: {exc}") from exc
     check_drafter_matches(drafter, target)
@@ -146,3 +148,95 @@ def check_drafter_matches(drafter: DFlashDrafter, target: Target) -> None:
         raise ModelLoadError(
             f"drafter target_layer_ids {list(c.target_layer_ids)} exceed the target's {target.num_layers} layers"
         )
+
+
+# ---- drafter checkpoints (the published layout, spec §1) ------------------------------------
+
+# Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+# Tensors some checkpoints carry that are recomputed at load time, never learned.
+_DERIVED_TENSORS = ("rotary_emb.inv_freq",)
+
+# Names used by other publishers for the same tensors (spec §1.3).
+_KEY_ALIASES = (
+    ("encoder.fc.", "fc."),
+    ("encoder.output_norm_enc.", "hidden_norm."),
+    ("midlayer.", "layers.0."),
+)
+
+
+def save_drafter(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1), plus
+    ``draft_vocab.json`` when the drafter has a draft vocabulary (other loaders ignore it and
+    draft over the full vocabulary).
+
+    Raises:
+        RuntimeError: for a pre-packed drafter, which has no dense linear weights.
+    """
+    if drafter.is_prepacked:
+        raise RuntimeError("a pre-packed drafter has no dense linear weights to save: save it before prepack()")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    drafter.config.save(folder)
+    tensors = {k: (v.to(dtype) if dtype else v).detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    vocab_file = folder / DRAFT_VOCAB_FILE
+    if drafter.draft_vocab is not None:
+        vocab_file.write_text(json.dumps({"token_ids": drafter.draft_vocab.tolist()}) + "\n")
+    elif vocab_file.exists():
+        vocab_file.unlink()
+
+
+def read_drafter(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> DFlashDrafter:
+    """A drafter folder as an unbound ``DFlashDrafter``; every tensor name and shape must match
+    the config (:func:`load_drafter` also binds it to a target and checks that they match).
+
+    Raises:
+        FileNotFoundError: when config.json or the weights are missing.
+        ValueError: on missing, unexpected or mis-shaped tensors (all are listed).
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: pass a drafter folder (config.json + model.safetensors)")
+    config = DrafterConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    drafter = DFlashDrafter(config)
+    load_drafter_weights(drafter, state)
+    if (folder / DRAFT_VOCAB_FILE).is_file():
+        drafter.set_draft_vocab(torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_ids"]))
+    return drafter.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
+
+
+def load_drafter_weights(drafter: DFlashDrafter, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``drafter`` after alias remapping and a strict name/shape check
+    (tensors that are computed, not learned — ``rotary_emb.inv_freq`` — are skipped).
+
+    Raises:
+        ValueError: on missing, unexpected or mis-shaped tensors (all are listed).
+    """
+    remapped = {}
+    for key, value in state.items():
+        if key.endswith(_DERIVED_TENSORS):
+            logger.debug("skipping derived tensor %s", key)
+            continue
+        key = key.removeprefix("model.")
+        for old, new in _KEY_ALIASES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+        remapped[key] = value
+    expected = {k: v.shape for k, v in drafter.state_dict().items()}
+    missing = sorted(set(expected) - set(remapped))
+    unexpected = sorted(set(remapped) - set(expected))
+    wrong = sorted(k for k in expected.keys() & remapped.keys() if tuple(remapped[k].shape) != tuple(expected[k]))
+    if missing or unexpected or wrong:
+        raise ValueError(
+            "drafter checkpoint does not match its config.json: "
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}, wrong shape {wrong[:8]}"
+        )
+    drafter.load_state_dict(remapped, strict=True)

@@ -27,6 +27,7 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.drafter_config import DrafterConfig
 from dflash2.models.drafter_factory import drafter_config_for_target
+from dflash2.models.loader import read_drafter, save_drafter
 from dflash2.train.blocks import LossTerms, block_losses, make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
 from dflash2.train.features import SoftLabels
@@ -217,7 +218,7 @@ class Trainer:
             ValueError: when its shape differs from this run's settings.
         """
         device = self.drafter.fc.weight.device
-        source = DFlashDrafter.load(folder, dtype=torch.float32, device=device)
+        source = read_drafter(folder, dtype=torch.float32, device=device)
         if source.config.to_dict() != self.drafter.config.to_dict():
             raise ValueError(f"{folder} was trained with another drafter shape than this run's settings")
         self.drafter.load_state_dict(source.state_dict())
@@ -267,7 +268,7 @@ class Trainer:
 
     def export(self, folder: Path, dtype: torch.dtype = torch.bfloat16) -> DrafterConfig:
         """Save the drafter in the published layout (``config.json`` + ``model.safetensors``)."""
-        self.drafter.save(folder, dtype=dtype)
+        save_drafter(self.drafter, folder, dtype=dtype)
         return self.drafter.config
 
     # ---- training ---------------------------------------------------------------------------

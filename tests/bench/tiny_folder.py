@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.loader import save_drafter
 from tests.tiny import tiny_drafter_config
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<pad>", "<mask>"]
@@ -75,5 +76,5 @@ def write_tiny_drafter(folder: Path, block_size: int = 8, seed: int = 1) -> Path
         for name, p in drafter.named_parameters():
             if "conv" in name or "candidate_selector" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    drafter.save(folder)
+    save_drafter(drafter, folder)
     return folder

@@ -21,8 +21,7 @@ GREEDY = SamplingParams(max_tokens=37, temperature=0.0)
 
 
 def compiled(engine):
-    """The engine once its background compilation has finished."""
-    assert engine.runner.wait_compiled(timeout=600)
+    """The engine, whose constructor compiled its forwards (or logged why not)."""
     return engine
 
 

@@ -11,6 +11,7 @@ from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
 from dflash2.models.layers import PackedLinear, can_prepack
+from dflash2.models.loader import save_drafter
 from dflash2.train.data import TokenDataset
 from dflash2.train.evaluate import teacher_forced
 from tests.tiny import tiny_drafter, tiny_target
@@ -88,7 +89,7 @@ def test_prepack_keeps_the_shared_lm_head_and_is_idempotent(tmp_path):
     assert drafter.prepack() > 0
     assert drafter.prepack() == 0
     with pytest.raises(RuntimeError, match="save it before prepack"):
-        drafter.save(tmp_path / "drafter")
+        save_drafter(drafter, tmp_path / "drafter")
 
 
 def test_teacher_forced_eval_runs_on_a_prepacked_drafter():

@@ -9,7 +9,7 @@ import torch
 
 from dflash2 import LLM, SamplingParams
 from dflash2.models.batch import ForwardBatch
-from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.loader import read_drafter
 from dflash2.train.data import TokenDataset
 from dflash2.train.evaluate import chained_teacher_forced, teacher_forced
 from dflash2.train.features import extract_features
@@ -66,7 +66,7 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     assert 1.0 <= log[-1]["heldout_tau"] <= 4.0 and 0.0 <= log[-1]["heldout_top1"] <= 1.0
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     # The export is the published layout and drafts losslessly in the engine.
-    drafter = DFlashDrafter.load(tmp_path / "drafter", torch.float32, "cpu")
+    drafter = read_drafter(tmp_path / "drafter", torch.float32, "cpu")
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     drafter.bind_target(*target.embedding_weights())
     assert (drafter.draft_vocab is None) == (draft_vocab_size == 0)
@@ -158,7 +158,7 @@ def test_a_new_run_can_start_from_an_exported_drafter(tmp_path):
     features, _ = extract_features(target, dataset, (2,))
     first = Trainer(target, dataset, features, config, tmp_path / "first", mask_token_id=95)
     first.run(export_dir=tmp_path / "export")
-    exported = DFlashDrafter.load(tmp_path / "export", torch.float32, "cpu")
+    exported = read_drafter(tmp_path / "export", torch.float32, "cpu")
     second_config = TrainConfig(**{**config.__dict__, "seed": 7, "init_drafter": str(tmp_path / "export")})
     second = Trainer(target, dataset, features, second_config, tmp_path / "second", 95)
     for name, value in exported.state_dict().items():

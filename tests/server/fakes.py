@@ -67,7 +67,6 @@ class FakeEngine:
     vocab_size = 256
     block_size = 4
     eos_token_ids = (0,)
-    compiling = False
 
     def __init__(self, max_model_len: int = 64, max_num_seqs: int = 2, step_delay: float = 0.0) -> None:
         self.max_model_len = max_model_len

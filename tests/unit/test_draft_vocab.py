@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter
+from dflash2.models.loader import DRAFT_VOCAB_FILE, read_drafter, save_drafter
 from dflash2.train.blocks import block_losses, make_blocks
 from dflash2.train.data import TokenDataset
 from dflash2.train.trainer import draft_vocabulary
@@ -42,15 +42,15 @@ def test_invalid_draft_vocabularies_are_rejected(target, ids):
 def test_draft_vocabulary_survives_save_and_load(target, tmp_path):
     drafter = tiny_drafter(target)
     drafter.set_draft_vocab(torch.arange(10, 50))
-    drafter.save(tmp_path)
+    save_drafter(drafter, tmp_path)
     assert (tmp_path / DRAFT_VOCAB_FILE).is_file()
-    loaded = DFlashDrafter.load(tmp_path, torch.float32, "cpu")
+    loaded = read_drafter(tmp_path, torch.float32, "cpu")
     loaded.bind_target(target.embed_tokens.weight, target.lm_head.weight)
     assert torch.equal(loaded.draft_vocab, torch.arange(10, 50))
     hidden = torch.randn(1, 4, 64)
     assert torch.allclose(loaded.logits(hidden), drafter.logits(hidden), atol=1e-6)
     drafter.set_draft_vocab(None)
-    drafter.save(tmp_path)  # saving without one removes a stale file
+    save_drafter(drafter, tmp_path)  # saving without one removes a stale file
     assert not (tmp_path / DRAFT_VOCAB_FILE).exists()
 
 

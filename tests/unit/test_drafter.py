@@ -16,7 +16,13 @@ from safetensors.torch import save_file
 
 from dflash2.models.drafter import DFlashDrafter, DraftLayer, DynamicConv
 from dflash2.models.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash2.models.loader import ModelLoadError, check_drafter_matches
+from dflash2.models.loader import (
+    ModelLoadError,
+    check_drafter_matches,
+    load_drafter_weights,
+    read_drafter,
+    save_drafter,
+)
 from dflash2.selector import lattice_scores, topk_candidates, walk
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
@@ -172,7 +178,7 @@ def test_saved_checkpoint_has_published_tensor_names_and_shapes(tmp_path):
     config = DrafterConfig.from_file(TINY_V2)
     drafter = DFlashDrafter(config)
     _randomize(drafter, seed=3)
-    drafter.save(tmp_path)
+    save_drafter(drafter, tmp_path)
 
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         saved = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
@@ -193,7 +199,7 @@ def test_saved_checkpoint_has_published_tensor_names_and_shapes(tmp_path):
     }
     assert DrafterConfig.from_dict(raw) == config
 
-    loaded = DFlashDrafter.load(tmp_path, torch.float32, "cpu")
+    loaded = read_drafter(tmp_path, torch.float32, "cpu")
     assert loaded.config == config
     original, reloaded = drafter.state_dict(), loaded.state_dict()
     assert original.keys() == reloaded.keys()
@@ -208,7 +214,7 @@ def test_load_handmade_checkpoint_from_published_header(tmp_path):
     tensors = {name: torch.randn(shape, generator=g) for name, shape in _header().items()}
     (tmp_path / "config.json").write_text((TINY_V2 / "config.json").read_text())
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = DFlashDrafter.load(tmp_path, torch.float32, "cpu")
+    loaded = read_drafter(tmp_path, torch.float32, "cpu")
     state = loaded.state_dict()
     assert state.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -222,8 +228,8 @@ def test_load_keeps_rope_frequencies_in_float32(tmp_path):
     config = DrafterConfig.from_file(TINY_V2)
     drafter = DFlashDrafter(config)
     drafter.init_weights(seed=0)
-    drafter.save(tmp_path)
-    loaded = DFlashDrafter.load(tmp_path, torch.bfloat16, "cpu")
+    save_drafter(drafter, tmp_path)
+    loaded = read_drafter(tmp_path, torch.bfloat16, "cpu")
     assert loaded.fc.weight.dtype == torch.bfloat16
     assert loaded.rotary.inv_freq.dtype == torch.float32
     assert torch.equal(loaded.rotary.inv_freq, drafter.rotary.inv_freq)
@@ -241,7 +247,7 @@ def test_load_rejects_missing_or_misshaped_tensor(tmp_path, name, replacement):
     config = DrafterConfig.from_file(TINY_V2)
     drafter = DFlashDrafter(config)
     drafter.init_weights(seed=0)
-    drafter.save(tmp_path)
+    save_drafter(drafter, tmp_path)
     path = tmp_path / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -251,7 +257,7 @@ def test_load_rejects_missing_or_misshaped_tensor(tmp_path, name, replacement):
         tensors[name] = replacement
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        DFlashDrafter.load(tmp_path, torch.float32, "cpu")
+        read_drafter(tmp_path, torch.float32, "cpu")
 
 
 def test_load_weights_accepts_model_prefix_and_vendor_aliases():
@@ -269,7 +275,7 @@ def test_load_weights_accepts_model_prefix_and_vendor_aliases():
         renamed["model." + key] = value.clone()
     assert any(k.startswith("model.midlayer.") for k in renamed)
     target = DFlashDrafter(config)
-    target.load_weights(renamed)
+    load_drafter_weights(target, renamed)
     for key, value in source.state_dict().items():
         assert torch.equal(target.state_dict()[key], value), key
 
@@ -720,5 +726,5 @@ def test_load_skips_derived_rotary_tensors():
     state["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(6)
     state["rotary_emb.inv_freq"] = torch.ones(6)
     loaded = DFlashDrafter(config)
-    loaded.load_weights(state)
+    load_drafter_weights(loaded, state)
     assert torch.equal(loaded.fc.weight, source.fc.weight)
