@@ -9,7 +9,8 @@ autoregressive step, the drafter's block) run through compiled static-shape modu
   pre-packed weights), as gpt-fast does. Positions, slots and the key range are tensors, so
   one graph serves every batch size ≥ 2, another batch size 1, and every KV length (dynamic
   shapes); the attention reads only ``[0, T)`` of each slot, T rounded up to
-  :data:`KEY_ALIGN`. Compiled graphs are cached in ``<dflash2 cache>/inductor``.
+  :data:`KEY_ALIGN`. Inductor's cache lives in ``<dflash2 cache>/inductor`` (its C++ kernels
+  are reused on a restart; graphs with oneDNN-packed constants are lowered again).
 * **CUDA**: the same modules compiled with ``mode="reduce-overhead"`` (CUDA graphs), with
   rows and key lengths padded to buckets so the number of recorded graphs stays bounded.
 * Anything else (the transformers fallback target, a drafter that overrides its forward, a
