@@ -367,6 +367,12 @@ class ModelRunner:
     def _compile(self, modules: list[tuple[str, nn.Module]]) -> None:
         """Compile and warm up each static module; on failure keep that forward eager with a warning."""
         start = time.perf_counter()
+        logger.info(
+            "compiling the %s forward%s for %s (minutes on a small CPU; --enforce-eager skips this)",
+            " and ".join(name for name, _ in modules),
+            "s" * (len(modules) > 1),
+            "CUDA graphs" if self._cuda else "inductor",
+        )
         _configure_compiler(self.device)
         mode = "reduce-overhead" if self._cuda else None
         for name, module in modules:
