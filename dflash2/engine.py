@@ -313,8 +313,6 @@ class Engine:
             self.runner.free(request.slot)
         self.scheduler.remove(request)
 
-    # ---- prefill --------------------------------------------------------------------------------
-
     # ---- per-request failure isolation ----------------------------------------------------------
 
     def _isolated(
@@ -332,7 +330,8 @@ class Engine:
         get exactly the tokens they would have got (the same uniforms, the same target logits in
         float32).
         """
-        states = [r.generator.get_state() for r in requests]
+        # Greedy requests draw no uniforms (see _uniforms): only sampled ones have state to restore.
+        states = [None if r.params.is_greedy else r.generator.get_state() for r in requests]
         try:
             result = forward(requests, stats)
         except Exception as error:
@@ -341,7 +340,8 @@ class Engine:
             logger.warning("a step over %d requests failed (%s); running each alone", len(requests), error)
             outputs = []
             for request, state in zip(requests, states):
-                request.generator.set_state(state)
+                if state is not None:
+                    request.generator.set_state(state)
                 try:
                     alone = forward([request], stats)
                 except Exception as request_error:

@@ -202,18 +202,18 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 class StaticDrafter(nn.Module):
     """A static-shape drafting forward of a :class:`DFlashDrafter` (block + LM head), for compilation.
 
-    Shares the drafter's layers; the token embedding and the (draft-vocabulary) LM head are
-    registered as parameters so that freezing folds them; the context cache tensors are
+    Shares the drafter's layers, or copies them when ``own_layers`` (the eager drafter's are then
+    pre-packed in place on CPU bfloat16); the token embedding and the (draft-vocabulary) LM head
+    are registered as parameters so that freezing folds them; the context cache tensors are
     buffers, one per layer.
     """
 
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache, block_size: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache, block_size: int, own_layers: bool = False) -> None:
         super().__init__()
         assert drafter._target is not None, "bind_target() first"
         self.config = drafter.config
         self.block_size = block_size
-        # Its own copy: the eager drafter's layers are pre-packed in place on CPU bfloat16.
-        self.layers = copy.deepcopy(drafter.layers)
+        self.layers = copy.deepcopy(drafter.layers) if own_layers else drafter.layers
         self.norm, self.rotary = drafter.norm, drafter.rotary
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
@@ -361,7 +361,9 @@ class ModelRunner:
         else:
             logger.info("the %s target runs eagerly (no static forward)", type(self.target).__name__)
         if self.draft_cache is not None and self.drafter is not None and self.drafter.supports_compile:
-            modules.append(("drafter", StaticDrafter(self.drafter, self.draft_cache, self.block_size).eval()))
+            own_layers = can_prepack(self.device, self.dtype)  # the eager drafter is packed in place
+            drafter = StaticDrafter(self.drafter, self.draft_cache, self.block_size, own_layers)
+            modules.append(("drafter", drafter.eval()))
         return modules
 
     def _compile(self, modules: list[tuple[str, nn.Module]]) -> None:
@@ -468,18 +470,12 @@ class ModelRunner:
         assert forward is not None
         with _compiled_mode():  # inputs are built here too: a graph is guarded on its inputs' flags
             num_rows, width = len(slots), self.block_size
-            padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
-            input_ids = torch.zeros(padded_rows, width, dtype=torch.long)
+            extra = (_bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows) - num_rows
+            input_ids = torch.tensor([row + [0] * (width - len(row)) for row in token_rows] + [[0] * width] * extra)
+            lengths = torch.tensor([len(row) for row in token_rows] + [0] * extra)
+            read_slots = torch.tensor(slots + [self.scratch_slot] * extra)
             offsets = torch.arange(width)
-            lengths = torch.zeros(padded_rows, dtype=torch.long)
-            for r, row in enumerate(token_rows):
-                input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-                lengths[r] = len(row)
-            read_slots = torch.full((padded_rows,), self.scratch_slot, dtype=torch.long)
-            read_slots[:num_rows] = torch.tensor(slots, dtype=torch.long)
-            start_tensor = torch.zeros(padded_rows, dtype=torch.long)
-            start_tensor[:num_rows] = torch.tensor(starts, dtype=torch.long)
-            positions = start_tensor[:, None] + offsets[None]
+            positions = torch.tensor(starts + [0] * extra)[:, None] + offsets[None]
             real = offsets[None] < lengths[:, None]
             # Padding tokens write into the scratch slot at their offset, never past the cache.
             write_slots = torch.where(real, read_slots[:, None], self.scratch_slot)
