@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dflash2.config import EngineConfig
+from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.request import (
@@ -91,6 +92,7 @@ class Engine:
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
         self.vocab_size = int(embed_weight.shape[0])
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.block_size = self._resolve_block_size()
         self.max_model_len = config.max_model_len or min(
             int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
@@ -191,7 +193,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary (prompt, logit bias, stop
-                ids), top_k above the vocabulary size, stop strings without a tokenizer.
+                ids), top_k above the vocabulary size, stop strings or a grammar without a tokenizer.
+            dflash2.grammar.GrammarError: a grammar that does not compile (a ValueError).
             ContextLengthExceededError: prompt + max_tokens > max_model_len.
         """
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -201,6 +204,9 @@ class Engine:
         params.check_vocabulary(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.grammar is not None and self.grammar is None:
+            raise ValueError("grammar: structured outputs need a tokenizer")
+        matcher = self.grammar.matcher(params.grammar) if self.grammar and params.grammar is not None else None
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceededError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
@@ -214,6 +220,7 @@ class Engine:
             params=params,
             generator=torch.Generator().manual_seed(seed),
             detokenizer=self._new_detokenizer(prompt_ids, params),
+            matcher=matcher,
         )
         with self._lock:
             self._inbox.append(("add", request))
@@ -367,7 +374,9 @@ class Engine:
         logits, features = self.runner.prefill(slots, prompts, [0] * len(requests))
         if features is not None:
             self.runner.append_context(slots, [0] * len(requests), features, [len(p) for p in prompts])
-        probs = target_probs(logits, self._logits_context(requests), logits.new_zeros(len(requests), 0).long())
+        no_drafts = logits.new_zeros(len(requests), 0).long()
+        allowed = self._grammar_masks(requests, [[] for _ in requests], 1, stats)
+        probs = target_probs(logits, self._logits_context(requests), no_drafts, allowed)
         uniforms = torch.stack([self._uniforms(r, 1) for r in requests])[:, 0].to(self.device)
         return logits, sample_from_probs(probs[:, 0], uniforms).tolist()
 
@@ -440,7 +449,8 @@ class Engine:
         tokens = [[r.output_ids[-1], *draft_lists[i][: num_drafts[i]]] for i, r in enumerate(rows)]
         slots, starts = [self._slot(r) for r in rows], [r.num_cached for r in rows]
         logits, features = self.runner.verify(slots, tokens, starts)
-        probs = target_probs(logits, self._logits_context(rows), draft_ids)
+        allowed = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1, stats)
+        probs = target_probs(logits, self._logits_context(rows), draft_ids, allowed)
         num_slots = self.block_size - 1
         uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
         num_accepted, next_ids = rejection_accept(
@@ -508,10 +518,13 @@ class Engine:
         """Append tokens up to the first stop; returns the committed tokens, text and logprobs.
 
         Stops, in order for each token: a stop string it completes, a stop token id, EOS (unless
-        ``ignore_eos``), ``max_tokens``. Tokens after the stop are dropped with their text and
-        logprobs.
+        ``ignore_eos``), ``max_tokens``, the end of the request's grammar. Tokens after the stop are
+        dropped with their text and logprobs.
         """
         params = request.params
+        grammar_reason = None
+        if request.matcher is not None:  # a completed grammar ends the block (and the request) first
+            token_ids, grammar_reason = self._advance_grammar(request, token_ids)
         # The first token that ends the request by its id or by the length limit, if any.
         end = len(token_ids)
         reason: tuple[FinishReason, str | int | None] | None = None
@@ -524,6 +537,7 @@ class Engine:
                 end, reason = i + 1, (FinishReason.LENGTH, None)
             if reason is not None:
                 break
+        reason = reason or grammar_reason
         committed = token_ids[:end]
         text = ""
         if request.detokenizer is not None:
@@ -540,6 +554,26 @@ class Engine:
         logprobs = self._logprobs(committed, logits, params.logprobs) if logits is not None else None
         stats.num_generated_tokens += len(committed)
         return committed, text, logprobs
+
+    @staticmethod
+    def _advance_grammar(
+        request: Request, token_ids: list[int]
+    ) -> tuple[list[int], tuple[FinishReason, str | int | None] | None]:
+        """Advance the request's matcher token by token; returns the tokens it took and why it ended.
+
+        A grammar that completes (``is_stopped``: nothing may follow) ends the request there with
+        ``stop``, so where the block boundaries fall never changes the output. Every token was sampled
+        under the masks, so a refusal is a bug: logged, and that request alone ends (``abort``).
+        """
+        matcher = request.matcher
+        for i, token in enumerate(token_ids):
+            if not matcher.consume_token(token) or matcher.is_error():
+                error = matcher.get_error()
+                logger.error("request %s: the grammar refused a committed token: %s", request.request_id, error)
+                return token_ids[:i], (FinishReason.ABORT, None)
+            if matcher.is_stopped():
+                return token_ids[: i + 1], (FinishReason.STOP, None)
+        return token_ids, None
 
     @staticmethod
     def _logprobs(token_ids: list[int], logits: torch.Tensor, num_top: int | None) -> list[TokenLogprob]:
@@ -573,6 +607,17 @@ class Engine:
         )
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _grammar_masks(
+        self, rows: list[Request], drafts: list[list[int]], num_positions: int, stats: StepStats
+    ) -> torch.Tensor | None:
+        """``[R, L, V]`` allowed-token masks along each row's drafts, or None when no row has a grammar."""
+        if self.grammar is None or all(r.matcher is None for r in rows):
+            return None
+        start = time.perf_counter()
+        allowed = self.grammar.masks([r.matcher for r in rows], drafts, num_positions)
+        stats.grammar_time += time.perf_counter() - start
+        return allowed
 
     def _logits_context(self, rows: list[Request]) -> LogitsContext:
         return LogitsContext(

@@ -60,6 +60,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator
     detokenizer: Any
+    matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -144,6 +145,7 @@ class StepStats:
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
         draft_time, select_time, verify_time, total_time: seconds.
+        grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
         num_running, num_waiting: queue sizes after the step.
         kv_cache_usage: fraction (0–1) of target KV positions in use after the step.
     """
@@ -162,6 +164,7 @@ class StepStats:
     draft_time: float = 0.0
     select_time: float = 0.0
     verify_time: float = 0.0
+    grammar_time: float = 0.0
     total_time: float = 0.0
     num_running: int = 0
     num_waiting: int = 0

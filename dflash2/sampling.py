@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash2.grammar import apply_token_mask
+
 _EPS_TEMPERATURE = 1e-5
 
 
@@ -51,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token plus k alternatives
     skip_special_tokens: bool = True
+    grammar: str | None = None  # an llguidance grammar (dflash2.grammar); None: unconstrained
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", stop_strings(self.stop))
@@ -273,13 +276,16 @@ def _filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def target_probs(logits: torch.Tensor, ctx: LogitsContext, draft_ids: torch.Tensor) -> torch.Tensor:
-    """Full pipeline: penalties → bias / min_tokens → temperature / top-k / top-p / min-p.
+def target_probs(
+    logits: torch.Tensor, ctx: LogitsContext, draft_ids: torch.Tensor, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Full pipeline: penalties → bias / min_tokens → grammar mask → temperature / top-k / top-p / min-p.
 
     Args:
         logits: ``[R, L, V]`` raw target logits of the verify block (any float dtype).
         ctx: per-row parameters and histories.
         draft_ids: ``[R, L-1]`` drafted tokens (empty second dim for autoregressive steps).
+        allowed: ``[R, L, V]`` bool grammar masks (``dflash2.grammar``), or None.
 
     Returns:
         ``[R, L, V]`` float32 target probabilities.
@@ -287,6 +293,7 @@ def target_probs(logits: torch.Tensor, ctx: LogitsContext, draft_ids: torch.Tens
     logits = logits.float()
     logits = apply_penalties(logits, ctx, draft_ids)
     logits = apply_bias_and_min_tokens(logits, ctx)
+    logits = apply_token_mask(logits, allowed)
     return probs_from_logits(logits, ctx.params)
 
 

@@ -82,6 +82,7 @@ def tiny_engine(
     max_num_seqs: int = 4,
     eos: tuple[int, ...] = (),
     enforce_eager: bool = True,
+    tokenizer=None,
     **kwargs,
 ) -> Engine:
     """A float32 CPU engine; eager unless ``enforce_eager=False`` (compiling takes seconds)."""
@@ -94,7 +95,7 @@ def tiny_engine(
         dtype="float32",
         **kwargs,
     )
-    return Engine(config, target, None, drafter, eos_token_ids=eos)
+    return Engine(config, target, tokenizer, drafter, eos_token_ids=eos)
 
 
 class OracleDrafter(DFlashDrafter):

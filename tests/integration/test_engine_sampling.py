@@ -18,10 +18,13 @@ VOCAB = 8
 PROMPT = [1, 5, 2]
 
 
-def _exact_joint(target, params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
-    """P(t1..t_length) by enumerating every prefix through the target with the same processors."""
+def _exact_joint(
+    target, params: SamplingParams, length: int, allowed: list[set[int]] | None = None
+) -> dict[tuple[int, ...], float]:
+    """P(t1..t_length) by enumerating every prefix through the target with the same processors;
+    ``allowed[i]``, when given, is the set of tokens a grammar allows at position i."""
     joint: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(length):
+    for position in range(length):
         prefixes = list(joint)
         cache = KVCache(target.num_layers, len(prefixes), 2, 32, 16, torch.float32, "cpu")
         batch = ForwardBatch.build(
@@ -29,7 +32,11 @@ def _exact_joint(target, params: SamplingParams, length: int) -> dict[tuple[int,
         )
         logits, _ = target.run(batch, cache, last_only=True)
         ctx = LogitsContext([params] * len(prefixes), [PROMPT] * len(prefixes), [list(p) for p in prefixes], [])
-        probs = target_probs(logits, ctx, torch.zeros(len(prefixes), 0, dtype=torch.long))[:, 0]
+        mask = None
+        if allowed is not None:
+            mask = torch.zeros(len(prefixes), 1, VOCAB, dtype=torch.bool)
+            mask[..., sorted(allowed[position])] = True
+        probs = target_probs(logits, ctx, torch.zeros(len(prefixes), 0, dtype=torch.long), mask)[:, 0]
         joint = {(*p, t): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(VOCAB)}
     return joint
 

@@ -1,0 +1,189 @@
+"""Structured outputs: grammar-constrained decoding with llguidance, lossless under speculation.
+
+A request with ``SamplingParams.grammar`` (an llguidance grammar: Lark text, or the JSON form that
+``llguidance.LLMatcher.grammar_from_*`` returns) gets one ``LLMatcher``. The engine masks the
+*target's* logits at every position it samples from:
+
+- prefill: the mask of the matcher's current state for the first token;
+- verify: the masks along the drafted path (position 0 at the current state, position j after the
+  first j drafts), computed in one llguidance call that advances a copy of the state through the
+  legal drafts and restores it. Positions after the first illegal draft keep an all-allowed mask:
+  that draft has masked probability 0, so it is rejected and no later position is ever sampled.
+
+Rejection sampling then runs on the masked distribution p′ with the drafter's q unchanged: a
+forbidden draft has p′ = 0 and is rejected, the residual max(0, p′ − q) holds only legal tokens and
+the bonus token comes from p′, so the output is distributed exactly as masked target-only decoding
+(the argument of dflash2-spec.md §5.2 with p′ for p). The matcher itself advances only by committed
+tokens; a rejected draft never touches it, so nothing needs rolling back.
+
+Peers: vLLM's structured outputs with speculative decoding (``grammar_bitmask`` along the drafts),
+SGLang's ``generate_token_bitmask``; llguidance: https://github.com/guidance-ai/llguidance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# JSON is written the way json.dumps writes it, with no free whitespace: small models otherwise
+# loop on spaces and newlines inside an object that the grammar cannot end for them.
+JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+class GrammarError(ValueError):
+    """A grammar (or JSON schema) the engine cannot compile; the message says why."""
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The llguidance grammar of JSON text valid for ``schema`` (JSON Schema, draft 2020-12 subset).
+
+    Raises:
+        GrammarError: ``schema`` is not a JSON object.
+    """
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_FORMAT)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from exc
+
+
+def json_object_grammar() -> str:
+    """The grammar of any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    return json_schema_grammar({"type": "object"})
+
+
+def lark_grammar(lark: str) -> str:
+    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer and vocabulary and computes token masks.
+
+    The llguidance tokenizer is built on first use (about 0.3 s for a 49k vocabulary). Thread-safe:
+    the server checks grammars on its tokenizer thread while the engine thread masks.
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer.
+        vocab_size: V, the model's logit width (may exceed the tokenizer's vocabulary; the extra
+            ids are never allowed).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def llg_tokenizer(self) -> Any:
+        """The ``llguidance.LLTokenizer`` (built once)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                self._executor = llguidance.LLExecutor(1)
+            return self._tokenizer
+
+    def check(self, grammar: str) -> None:
+        """Raises GrammarError (with llguidance's reason) unless ``grammar`` compiles for this tokenizer."""
+        import llguidance
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer)
+        if is_error:
+            raise GrammarError(messages[0] if messages else "invalid grammar")
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh ``LLMatcher`` at the start of ``grammar``.
+
+        Raises:
+            GrammarError: the grammar does not compile.
+        """
+        import llguidance
+
+        self.check(grammar)
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    def masks(
+        self, matchers: Sequence[Any | None], drafts: Sequence[Sequence[int]], num_positions: int
+    ) -> torch.Tensor:
+        """Allowed-token masks for a batch of blocks.
+
+        Args:
+            matchers: one ``LLMatcher`` (or None: unconstrained) per row, at the row's committed state.
+            drafts: per row, the drafted tokens after the anchor (position j's mask is the state after
+                ``drafts[r][:j]``); at most ``num_positions − 1`` each.
+            num_positions: L, positions per row.
+
+        Returns:
+            ``[R, L, V]`` bool, True where a token is allowed. Unconstrained rows, and positions after a
+            row's first illegal draft, allow everything.
+        """
+        import llguidance.torch as llg_torch
+
+        num_rows = len(matchers)
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((num_rows * num_positions, words), -1, dtype=torch.int32)
+        with_drafts, without = [], []
+        for r, matcher in enumerate(matchers):
+            if matcher is None:
+                continue
+            row_drafts = [int(t) for t in drafts[r][: num_positions - 1]]
+            if row_drafts:
+                with_drafts.append((matcher, r * num_positions, row_drafts))
+            else:
+                without.append((matcher, r * num_positions))
+        if with_drafts or without:
+            _ = self.llg_tokenizer  # builds the executor too
+        if with_drafts:
+            llg_torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+        if without:
+            llg_torch.fill_next_token_bitmask_par(self._executor, without, bitmask)
+        return unpack_bitmask(bitmask, self.vocab_size).view(num_rows, num_positions, self.vocab_size)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N, ⌈V/32⌉]`` int32 bitmask (bit i of word w = token 32·w + i) → ``[N, V]`` bool."""
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = (bitmask[..., None] >> bits) & 1  # [N, W, 32]
+    return unpacked.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Set disallowed tokens' logits to −inf.
+
+    Args:
+        logits: ``[R, L, V]`` float32 processed logits.
+        allowed: ``[R, L, V]`` bool, or None (nothing to do).
+
+    Returns:
+        The masked logits (a new tensor). A position where the other processors already removed
+        every allowed token (``min_tokens`` banning the EOS a finished grammar needs) keeps the
+        grammar's choice: the grammar wins, so the output stays valid.
+    """
+    if allowed is None:
+        return logits
+    allowed = allowed.to(logits.device)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    if bool(empty.any()):
+        masked = torch.where(empty, torch.where(allowed, 0.0, float("-inf")), masked)
+    return masked
