@@ -26,8 +26,9 @@ class EngineConfig:
             None = the drafter's trained block size.
         use_selector: walk the DFlash 2 selector lattice (False: per-slot unary scores only).
         max_num_seqs: rows decoded together (KV slots).
-        max_model_len: longest prompt + output per request (KV positions per slot); None =
-            min(model limit, 2048).
+        max_model_len: longest prompt + output per request (KV positions per slot); None = the
+            model's limit (``max_position_embeddings``), lowered while the KV caches would not
+            fit in half of the free memory.
         device, dtype: where and in what precision weights and caches live.
         seed: seeds the per-request generators of requests that give no seed.
         num_threads: torch intra-op threads on CPU (None = leave as is).

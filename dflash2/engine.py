@@ -94,9 +94,7 @@ class Engine:
         self.vocab_size = int(embed_weight.shape[0])
         self.grammar = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.block_size = self._resolve_block_size()
-        self.max_model_len = config.max_model_len or min(
-            int(getattr(target.config, "max_position_embeddings", 2048) or 2048), 2048
-        )
+        self.max_model_len = config.max_model_len or self._default_max_model_len()
         self.runner = ModelRunner(
             target,
             drafter if self.is_speculative else None,
@@ -153,6 +151,45 @@ class Engine:
                 self.drafter.config.block_size,
             )
         return self.config.block_size
+
+    def _default_max_model_len(self) -> int:
+        """The model's own context limit (``max_position_embeddings``), halved while the KV caches of
+        every slot at that length would take more than half of the free memory (down to 2048)."""
+        limit = int(getattr(self.target.config, "max_position_embeddings", 0) or 2048)
+        per_token = self._kv_bytes_per_token() * (self.config.max_num_seqs + 1)  # + the scratch slot
+        if self.device.type == "cuda":
+            free: int | None = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            from dflash2.platform import available_memory_bytes
+
+            free = available_memory_bytes()
+        length = limit
+        while free is not None and length > 2048 and per_token * length > free // 2:
+            length //= 2
+        if length < limit:
+            logger.warning(
+                "max_model_len %d (the model's limit is %d, but %d slots at that length need %.1f GiB of KV "
+                "cache and %.1f GiB is free); set --max-model-len to choose",
+                length,
+                limit,
+                self.config.max_num_seqs,
+                per_token * limit / 2**30,
+                (free or 0) / 2**30,
+            )
+        return length
+
+    def _kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes in one slot: target (+ drafter context)."""
+
+        def per_token(config: Any, dtype: torch.dtype) -> int:
+            heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+            head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            return 2 * int(config.num_hidden_layers) * heads * head_dim * dtype.itemsize
+
+        total = per_token(self.target.config, self.target.embedding_weights()[0].dtype)
+        if self.drafter is not None and self.is_speculative:
+            total += per_token(self.drafter.config, self.drafter.dtype)
+        return total
 
     @property
     def is_speculative(self) -> bool:

@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         "--max-model-len",
         type=int,
         default=_DEFAULTS.max_model_len,
-        help="prompt + output tokens per request (default: min(model limit, 2048))",
+        help="prompt + output tokens per request (default: the model's limit, lowered if the KV cache would "
+        "not fit in half of the free memory)",
     )
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, …")
     g.add_argument(

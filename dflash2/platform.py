@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -21,3 +22,32 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         pass
     return False
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still allocate on the host: ``MemAvailable``, capped by a cgroup v2
+    limit (containers) when one is set; None when neither can be read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            headroom = max(0, int(limit) - used)
+            available = headroom if available is None else min(available, headroom)
+    except (OSError, ValueError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    return available

@@ -9,6 +9,7 @@ the conversion to engine parameters live on the request types (``to_sampling_par
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Literal
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from dflash2.sampling import SamplingParams, stop_strings
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
@@ -25,6 +28,20 @@ MAX_TEMPLATE_VALUE_CHARS = 256
 # Keys a client may not pass through chat_template_kwargs: the server sets these itself.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors"}
+)
+MAX_TOOLS = 128
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+# Accepted and ignored (logged at debug): they do not change what this server generates. Fields that
+# would constrain the output and are not honoured stay 400s. docs/server.md lists them.
+IGNORED_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "verbosity",
+    "reasoning_effort",
 )
 
 
@@ -125,9 +142,10 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts. ``developer`` (OpenAI's
+    newer name for instructions) is rendered as ``system``."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -152,11 +170,70 @@ class ChatMessage(StrictModel):
 
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates expect it (string content)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.text}
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
+
+
+class FunctionDefinition(StrictModel):
+    """``tools[i].function``: a function the model may call; ``parameters`` is a JSON Schema object."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("the parameters schema must describe an object (type: object)")
+        return value
+
+
+class ChatTool(StrictModel):
+    """One entry of ``tools`` (function tools only)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    """``{"name": …}`` of a named tool choice."""
+
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """``tool_choice: {"type": "function", "function": {"name": …}}``: this tool must be called."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: ``schema`` is the JSON Schema the output must satisfy."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
 
 
 class SamplingRequest(StrictModel):
@@ -180,6 +257,22 @@ class SamplingRequest(StrictModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # IGNORED_FIELDS: accepted, logged, no effect here.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> SamplingRequest:
+        ignored = [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None]
+        if ignored:
+            logger.debug("ignoring %s (no effect on this server's output)", ", ".join(ignored))
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -271,11 +364,22 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(value)
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (or its older name ``max_tokens``)."""
@@ -295,6 +399,14 @@ class ChatCompletionRequest(SamplingRequest):
         for i, message in enumerate(self.messages):
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
                 raise RequestParamError("content is required", f"messages[{i}].content")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise RequestParamError("tool names must be unique", "tools")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise RequestParamError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RequestParamError(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
 
 
 class CompletionRequest(SamplingRequest):
@@ -418,11 +530,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    """The function of a tool call: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One entry of ``message.tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """``choices[i].message``."""
+    """``choices[i].message``: ``content`` is null when the reply is only tool calls; ``tool_calls`` is
+    left out when there are none."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -447,11 +583,36 @@ class ChatCompletionResponse(BaseModel):
     dflash2: SpecDecodeInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    """A fragment of a streamed function call: the name comes once, arguments in pieces."""
+
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool-call delta, matched to its call by ``index`` (``id`` and ``type`` on the first one)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     """A streamed message delta; unset parts are left out (``{}`` on the finish chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -142,6 +143,12 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
 async def list_models(serving: Serving) -> ModelList:
     """The served model, with ``max_model_len``."""
     return serving.list_models()
+
+
+@api.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, serving: Serving) -> ModelCard:
+    """One model by name (404 unless it is the served one)."""
+    return serving.retrieve_model(model_id)
 
 
 @api.post("/tokenize")

@@ -9,11 +9,12 @@ the stream started is sent as one ``data: {"error": …}`` event, still followed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,6 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from dflash2.engine import ContextLengthExceededError
+from dflash2.grammar import GrammarBackend
 from dflash2.request import RequestOutput, TokenLogprob, mean_acceptance_length
 from dflash2.sampling import check_token_ids
 from server.admission import Admission, Ticket
@@ -50,9 +52,12 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     RequestParamError,
@@ -61,9 +66,12 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprobInfo,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
+from server.tool_calling import ToolPlan, new_tool_call_id, render_tool_history, with_tool_prompt
+from server.tool_parsers import ParsedToolCall, get_tool_parser
 
 if TYPE_CHECKING:
     from dflash2.engine import Engine
@@ -85,6 +93,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any | None
+    grammar: GrammarBackend | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -97,6 +106,7 @@ class ModelInfo:
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             tokenizer=engine.tokenizer,
+            grammar=getattr(engine, "grammar", None),
         )
 
     def check(self, requested: str | None) -> None:
@@ -188,6 +198,12 @@ class Generation:
         return self.states
 
 
+def tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when a choice that stopped normally made calls; otherwise unchanged
+    (a reply cut by ``length`` stays ``length``)."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
 def usage_info(num_prompt_tokens: int, states: Sequence[ChoiceState]) -> UsageInfo:
     """Prompt counted once, completion tokens summed over the choices."""
     completion = sum(s.num_tokens for s in states)
@@ -238,13 +254,19 @@ class OpenAIServing:
     Hugging Face's fast tokenizers are safe to share between threads.
     """
 
-    def __init__(self, client: EngineClient, model: ModelInfo, admission: Admission) -> None:
+    def __init__(
+        self, client: EngineClient, model: ModelInfo, admission: Admission, tool_call_parser: str = "hermes"
+    ) -> None:
         self.client = client
         self.model = model
         self.admission = admission
+        self.tool_parser = get_tool_parser(tool_call_parser)
         self._token_text = TokenText(model.tokenizer)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="dflash2-tokenizer")
-        self._template_variables = template_variables(getattr(model.tokenizer, "chat_template", None))
+        chat_template = getattr(model.tokenizer, "chat_template", None)
+        self._template_variables = template_variables(chat_template)
+        # Templates that never mention tool_calls get earlier calls as text in the parser's format.
+        self._template_renders_tool_calls = "tool_calls" in str(chat_template or "")
 
     def close(self) -> None:
         """Stop the tokenizer thread."""
@@ -253,12 +275,25 @@ class OpenAIServing:
     # ---- endpoints ------------------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        """``POST /v1/chat/completions``."""
-        messages, kwargs = request.messages, request.chat_template_kwargs
-        generation = await self._start(request, "chatcmpl", lambda: self._chat_prompt_ids(messages, kwargs))
+        """``POST /v1/chat/completions`` (tools and ``response_format`` through ``ToolPlan``)."""
+        generation, plan = await self._start_chat(request)
         if request.stream:
-            return self._event_stream(self._chat_chunks(request, generation), generation)
-        return JSONResponse(self._chat_response(request, generation, await generation.collect()).model_dump())
+            return self._event_stream(self._chat_chunks(request, generation, plan), generation)
+        states = await generation.collect()
+        return JSONResponse(self._chat_response(request, generation, states, plan).model_dump())
+
+    async def _start_chat(self, request: ChatCompletionRequest) -> tuple[Generation, ToolPlan]:
+        """Check and plan tools and structured outputs, render the template and submit."""
+        self.model.check(request.model)
+        _convert_param_errors(request.check)
+        plan = ToolPlan.for_request(request, self.tool_parser)
+        messages, kwargs = request.messages, request.chat_template_kwargs
+
+        def prompt_ids() -> list[int]:  # on the tokenizer thread: schemas compile there too
+            plan.check(self.model.grammar)
+            return self._chat_prompt_ids(messages, kwargs, plan=plan)
+
+        return await self._start(request, "chatcmpl", prompt_ids, grammar=plan.grammar), plan
 
     async def create_completion(self, request: CompletionRequest) -> Response:
         """``POST /v1/completions``."""
@@ -277,6 +312,15 @@ class OpenAIServing:
         """``GET /v1/models``."""
         card = ModelCard(id=self.model.name, created=self.model.created, max_model_len=self.model.max_model_len)
         return ModelList(data=[card])
+
+    def retrieve_model(self, model_id: str) -> ModelCard:
+        """``GET /v1/models/{id}``.
+
+        Raises:
+            ModelNotFoundError: ``model_id`` is not a name this server answers to.
+        """
+        self.model.check(model_id)
+        return self.list_models().data[0]
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """``POST /tokenize``: text, or messages through the chat template."""
@@ -300,7 +344,13 @@ class OpenAIServing:
 
     # ---- starting a generation -------------------------------------------------------------------
 
-    async def _start(self, request: SamplingRequest, prefix: str, prompt_ids: Callable[[], list[int]]) -> Generation:
+    async def _start(
+        self,
+        request: SamplingRequest,
+        prefix: str,
+        prompt_ids: Callable[[], list[int]],
+        grammar: str | None = None,
+    ) -> Generation:
         """Check, admit, tokenize and submit; on any failure nothing stays admitted or queued."""
         self.model.check(request.model)
         _convert_param_errors(request.check)
@@ -308,7 +358,7 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             ids = await self._on_tokenizer_thread(prompt_ids)
-            group = self._submit(request, ids, request_id)
+            group = self._submit(request, ids, request_id, grammar)
         except BaseException:
             ticket.release()
             raise
@@ -317,9 +367,13 @@ class OpenAIServing:
         states = [ChoiceState() for _ in range(request.n)]
         return Generation(request_id, int(time.time()), len(ids), group, ticket, states)
 
-    def _submit(self, request: SamplingRequest, prompt_ids: list[int], request_id: str) -> RequestGroup:
+    def _submit(
+        self, request: SamplingRequest, prompt_ids: list[int], request_id: str, grammar: str | None = None
+    ) -> RequestGroup:
         default_max_tokens = max(1, self.model.max_model_len - len(prompt_ids))
         params = _convert_param_errors(lambda: request.to_sampling_params(default_max_tokens))
+        if grammar is not None:
+            params = [dataclasses.replace(p, grammar=grammar) for p in params]
         try:
             return self.client.submit(prompt_ids, params, request_id)
         except ContextLengthExceededError as exc:
@@ -335,8 +389,11 @@ class OpenAIServing:
         messages: Sequence[ChatMessage],
         template_kwargs: dict[str, Any] | None,
         add_generation_prompt: bool = True,
+        plan: ToolPlan | None = None,
     ) -> list[int]:
-        """Apply the model's chat template and tokenize (runs on the tokenizer thread)."""
+        """Apply the model's chat template and tokenize (runs on the tokenizer thread). Tools go to the
+        template's ``tools`` variable when it reads one, else into the system message (the tool
+        parser's prompt); earlier tool calls are rendered as text when the template ignores them."""
         tokenizer = self._require_tokenizer("messages")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
@@ -348,13 +405,23 @@ class OpenAIServing:
                 f"(the variables it reads: {reads})",
                 "chat_template_kwargs",
             )
+        rendered = [m.to_template() for m in messages]
+        if not self._template_renders_tool_calls:
+            rendered = render_tool_history(rendered, self.tool_parser)
+        extra: dict[str, Any] = {}
+        if plan is not None and plan.tools:
+            if "tools" in self._template_variables:
+                extra["tools"] = plan.template_tools()
+            else:
+                rendered = with_tool_prompt(rendered, self.tool_parser.system_prompt(plan.tools))
         try:
             ids = tokenizer.apply_chat_template(
-                [m.to_template() for m in messages],
+                rendered,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
                 **(template_kwargs or {}),
+                **extra,
             )
         except Exception as exc:  # the template is user-driven input: its failures are request errors
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}", "messages") from exc
@@ -391,18 +458,21 @@ class OpenAIServing:
     # ---- responses -----------------------------------------------------------------------------
 
     def _chat_response(
-        self, request: ChatCompletionRequest, generation: Generation, states: list[ChoiceState]
+        self, request: ChatCompletionRequest, generation: Generation, states: list[ChoiceState], plan: ToolPlan
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=s.text),
-                logprobs=self._chat_logprobs(s.logprobs) if request.logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+        choices = []
+        for i, state in enumerate(states):
+            content, calls = plan.parse(state.text)
+            tool_calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(**vars(c))) for c in calls]
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=tool_calls or None),
+                    logprobs=self._chat_logprobs(state.logprobs) if request.logprobs else None,
+                    finish_reason=tool_finish_reason(state.finish_reason, bool(calls)),
+                    stop_reason=state.stop_reason,
+                )
             )
-            for i, s in enumerate(states)
-        ]
         return ChatCompletionResponse(
             id=generation.id,
             created=generation.created,
@@ -442,7 +512,9 @@ class OpenAIServing:
             chunks, sep="\n", ping=_SSE_PING_SECONDS, background=BackgroundTask(generation.close)
         )
 
-    async def _chat_chunks(self, request: ChatCompletionRequest, generation: Generation) -> AsyncIterator[str]:
+    async def _chat_chunks(
+        self, request: ChatCompletionRequest, generation: Generation, plan: ToolPlan
+    ) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice | None, **extras: Any) -> str:
             return ChatCompletionChunk(
                 id=generation.id,
@@ -452,19 +524,42 @@ class OpenAIServing:
                 **extras,
             ).model_dump_json()
 
+        streamers = [plan.parser.streamer() if plan.parser else None for _ in range(request.n)]
+        num_calls = [0] * request.n
+
+        def call_deltas(i: int, calls: list[ParsedToolCall]) -> Iterator[str]:
+            """OpenAI's tool-call deltas: id, type and name with empty arguments, then the arguments."""
+            for call in calls:
+                index = num_calls[i]
+                num_calls[i] += 1
+                head = DeltaToolCall(
+                    index=index, id=new_tool_call_id(), type="function", function=DeltaFunctionCall(name=call.name)
+                )
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[head])))
+                arguments = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[arguments])))
+
         async def body() -> AsyncIterator[str]:
             for i in range(request.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async for i, output in generation.outputs():
                 logprobs = self._chat_logprobs(output.new_logprobs or []) if request.logprobs else None
-                text = visible_text(output)
+                text, calls = visible_text(output), list[ParsedToolCall]()
+                streamer = streamers[i]
+                if streamer is not None:
+                    text, calls = streamer.feed(text)
+                    if output.finished:
+                        tail, more = streamer.finish()
+                        text, calls = text + tail, calls + more
                 if text or (logprobs and logprobs.content):
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))
+                for event in call_deltas(i, calls):
+                    yield event
                 if output.finished:
                     finish = ChatStreamChoice(
                         index=i,
                         delta=DeltaMessage(),
-                        finish_reason=output.finish_reason,
+                        finish_reason=tool_finish_reason(output.finish_reason, num_calls[i] > 0),
                         stop_reason=output.stop_reason,
                     )
                     yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))

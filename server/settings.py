@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from dflash2.config import EngineConfig
 
 METRICS_COMPAT_CHOICES = ("vllm",)
+# vLLM's --tool-call-parser names (server/tool_parsers.py implements them).
+TOOL_CALL_PARSER_CHOICES = ("hermes", "llama3_json", "pythonic")
 API_KEY_ENV = "DFLASH2_API_KEY"
 
 
@@ -29,6 +31,7 @@ class ServerSettings:
         max_body_bytes: request bodies larger than this get 413.
         metrics_compat: ``"vllm"`` also exports the vLLM metric names and labels; None = ours only.
         drain_timeout: seconds that requests in flight get to finish after SIGTERM.
+        tool_call_parser: the format tool calls are prompted in, parsed from and constrained to.
         engine: the engine configuration.
     """
 
@@ -40,6 +43,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     metrics_compat: str | None = None
     drain_timeout: float = 30.0
+    tool_call_parser: str = "hermes"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -53,6 +57,8 @@ class ServerSettings:
             raise ValueError(f"metrics_compat must be one of {', '.join(METRICS_COMPAT_CHOICES)}")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be non-negative")
+        if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
@@ -90,6 +96,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.drain_timeout,
         help="seconds requests in flight get to finish after SIGTERM",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSER_CHOICES,
+        default=_DEFAULTS.tool_call_parser,
+        help="tool-call format: hermes (<tool_call>{json}</tool_call>), llama3_json or pythonic",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerSettings:
@@ -103,5 +115,6 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         max_body_bytes=args.max_body_bytes,
         metrics_compat=args.metrics_compat,
         drain_timeout=args.drain_timeout,
+        tool_call_parser=args.tool_call_parser,
         engine=engine,
     )

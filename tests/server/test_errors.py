@@ -107,8 +107,8 @@ async def test_out_of_range_values_are_400_naming_the_field(fields, param):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (CHAT, chat_body(tools=[]), "tools"),
-        (CHAT, chat_body(response_format={"type": "json_object"}), "response_format"),
+        (CHAT, chat_body(functions=[{"name": "f"}]), "functions"),  # the legacy form of tools
+        (CHAT, chat_body(modalities=["text", "audio"]), "modalities"),
         (CHAT, chat_body(echo=True), "echo"),  # a completions-only field
         (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "audio": {}}]), "messages[0].audio"),
         (CHAT, chat_body(stream_options={"include_usage": True, "continuous_usage_stats": True}, stream=True),

@@ -34,7 +34,7 @@ TOPICS = ["the sea", "a cat", "coffee", "mountains", "rain", "a robot", "the moo
 
 BAD_REQUESTS: list[tuple[str, bytes]] = [
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"'),  # malformed JSON
-    (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": []}).encode()),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "functions": []}).encode()),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}).encode()),
     (CHAT, json.dumps({"messages": []}).encode()),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}).encode()),

@@ -1,0 +1,193 @@
+"""What one chat request asks of tools and structured outputs: the grammar, the prompt, the parsing.
+
+``ToolPlan.for_request`` turns ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+``response_format`` into:
+
+- the grammar the engine enforces (``dflash2.grammar``), or None:
+  ``required`` / named choice → only calls (each valid for its tool's ``parameters``);
+  ``auto`` → free text, with a call constrained once it starts for ``strict`` tools; with a JSON
+  ``response_format`` as well → either the answer JSON or calls; no tools → the answer JSON;
+- how the tools reach the prompt: the chat template's ``tools`` argument when the template reads
+  it, otherwise the parser's system prompt (``ToolParser.system_prompt``);
+- how the output is read back: ``ToolParser.parse`` (unless ``tool_choice`` is ``none``).
+
+Schemas are checked against the loaded tokenizer before anything is submitted, so a schema the
+engine cannot compile is a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash2.grammar import JSON_FORMAT, GrammarBackend, GrammarError, json_schema_grammar, lark_grammar
+from server.errors import InvalidRequestError
+from server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from server.tool_parsers import FunctionTool, ParsedToolCall, ToolParser
+
+
+def new_tool_call_id() -> str:
+    """A tool-call id in OpenAI's style (``call_`` + 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON Schema a ``response_format`` imposes on the answer (``{}``-like object for
+    ``json_object``), or None for ``text`` / no format."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object" or response_format.json_schema is None:
+        return {"type": "object"}
+    return response_format.json_schema.schema_ or {"type": "object"}
+
+
+def _inline(schema: dict[str, Any]) -> str:
+    """A schema as a Lark ``%json`` expression, written in json.dumps style (``JSON_FORMAT``)."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT})
+
+
+@dataclass
+class ToolPlan:
+    """Tools and structured outputs of one chat request (see the module docstring).
+
+    Attributes:
+        tools: the request's function tools (all of them go to the prompt).
+        parser: reads calls back from the output; None when ``tool_choice`` is ``none`` or no tools.
+        grammar: the llguidance grammar for the engine, or None (unconstrained).
+        checks: ``(field, schema)`` pairs to compile before submission, so errors name the field.
+    """
+
+    tools: list[FunctionTool] = field(default_factory=list)
+    parser: ToolParser | None = None
+    grammar: str | None = None
+    checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    @classmethod
+    def for_request(cls, request: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
+        """Plan a validated chat request (``request.check()`` already ran).
+
+        Raises:
+            InvalidRequestError: a schema that is not a JSON object (names the field).
+        """
+        tools = [
+            FunctionTool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters or {"type": "object"},
+                strict=bool(t.function.strict),
+            )
+            for t in request.tools or ()
+        ]
+        plan = cls(tools=tools)
+        answer = answer_schema(request.response_format)
+        if answer is not None:
+            plan.checks.append(("response_format.json_schema.schema", answer))
+        choice = request.effective_tool_choice
+        parallel = request.parallel_tool_calls is not False
+        if choice == "none" or not tools:
+            plan.grammar = _json_grammar(answer, "response_format.json_schema.schema") if answer else None
+            return plan
+        plan.parser = parser
+        try:
+            if isinstance(choice, NamedToolChoice):
+                forced = [t for t in tools if t.name == choice.function.name]
+                lark = parser.grammar(forced, required=True, parallel=False)
+            elif choice == "required":
+                forced = tools
+                lark = parser.grammar(forced, required=True, parallel=parallel)
+            else:  # auto
+                forced = [t for t in tools if t.strict]
+                lark = parser.grammar(
+                    tools, required=False, parallel=parallel, answer=_inline(answer) if answer else None
+                )
+        except ValueError as exc:  # e.g. a name the pythonic format cannot write
+            raise InvalidRequestError(f"tools: {exc}", "tools") from exc
+        plan.grammar = lark_grammar(lark) if lark is not None else None
+        plan.checks += [(f"tools[{tools.index(t)}].function.parameters", t.parameters) for t in forced]
+        return plan
+
+    def check(self, backend: GrammarBackend | None) -> None:
+        """Compile every constrained schema, then the whole grammar, against the loaded tokenizer.
+
+        Raises:
+            InvalidRequestError: naming the field whose schema does not compile, or ``tools`` when only
+                their combination fails; also when the model has no tokenizer for a grammar.
+        """
+        if self.grammar is None:
+            return
+        if backend is None:
+            raise InvalidRequestError("structured outputs and tool choices need a tokenizer", "response_format")
+        for param, schema in self.checks:
+            try:
+                backend.check(_json_grammar(schema, param))
+            except GrammarError as exc:
+                raise InvalidRequestError(f"{param}: this JSON schema cannot be enforced: {exc}", param) from exc
+        try:
+            backend.check(self.grammar)
+        except GrammarError as exc:
+            raise InvalidRequestError(f"the tools cannot be enforced together: {exc}", "tools") from exc
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools in the shape chat templates take (``apply_chat_template(tools=…)``)."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description else {}),
+                    "parameters": t.parameters,
+                },
+            }
+            for t in self.tools
+        ]
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """Content and tool calls of one choice's output (no calls when tools are not parsed)."""
+        if self.parser is None:
+            return text, []
+        return self.parser.parse(text)
+
+
+def with_tool_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
+    """The messages with ``prompt`` (tool instructions) added to the first system message, or in a
+    new system message at the front."""
+    messages = copy.copy(messages)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return messages
+
+
+def render_tool_history(messages: list[dict[str, Any]], parser: ToolParser) -> list[dict[str, Any]]:
+    """For templates that do not render ``tool_calls``: earlier calls become assistant text in the
+    parser's format and tool results its result text, so the model sees its own format."""
+    rendered = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message["role"] == "assistant" and calls:
+            parsed = [_history_call(call) for call in calls]
+            text = "\n".join(part for part in (message.get("content") or "", parser.format_calls(parsed)) if part)
+            message = {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
+        elif message["role"] == "tool":
+            message = {**message, "content": parser.format_result(message.get("content") or "")}
+        rendered.append(message)
+    return rendered
+
+
+def _history_call(call: dict[str, Any]) -> ParsedToolCall:
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "{}")
+    return ParsedToolCall(
+        name=str(function.get("name", "")), arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)
+    )
+
+
+def _json_grammar(schema: dict[str, Any], param: str) -> str:
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param) from exc
