@@ -37,12 +37,36 @@ logger = logging.getLogger(__name__)
 JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
+# Keys whose values are data, not subschemas (close_objects leaves them alone).
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example", "x-guidance"})
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which objects with ``properties`` allow no other keys unless the schema
+    says otherwise (``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``).
+
+    The same default as xgrammar's strict mode and OpenAI's strict schemas: without it the grammar
+    lets a model invent keys forever (a small model copies the schema itself into the arguments).
+    """
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: value if key in _DATA_KEYWORDS else close_objects(value) for key, value in schema.items()}
+    if "properties" in closed and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(
+        closed
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
 class GrammarError(ValueError):
     """A grammar (or JSON schema) the engine cannot compile; the message says why."""
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """The llguidance grammar of JSON text valid for ``schema`` (JSON Schema, draft 2020-12 subset).
+    """The llguidance grammar of JSON text valid for ``schema`` (JSON Schema, draft 2020-12 subset), with
+    undeclared keys closed off (``close_objects``).
 
     Raises:
         GrammarError: ``schema`` is not a JSON object.
@@ -52,7 +76,7 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_FORMAT)  # type: ignore[arg-type]
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(close_objects(schema)), overrides=JSON_FORMAT)  # type: ignore[arg-type]
     except ValueError as exc:
         raise GrammarError(str(exc)) from exc
 

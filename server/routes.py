@@ -37,6 +37,7 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.responses_api import RESPONSES_SSE_ALTERNATIVE, ResponseObject, ResponsesRequest, ResponsesServing
 from server.serving import OpenAIServing
 from server.state import ServerState
 
@@ -137,6 +138,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 async def create_completion(body: CompletionRequest, request: Request, serving: Serving) -> Response:
     """OpenAI text completions; ``prompt`` is text or a list of token ids."""
     return await until_disconnected(request, serving.create_completion(body))
+
+
+@api.post(
+    "/v1/responses",
+    response_model=None,
+    responses={200: {"model": ResponseObject, **RESPONSES_SSE_ALTERNATIVE}},
+)
+async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
+    """OpenAI Responses API, stateless: the whole conversation is sent as ``input`` each time (``stream: true``
+    for server-sent events)."""
+    return await until_disconnected(request, ResponsesServing(serving).create_response(body))
 
 
 @api.get("/v1/models")

@@ -23,7 +23,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2.grammar import JSON_FORMAT, GrammarBackend, GrammarError, json_schema_grammar, lark_grammar
+from dflash2.grammar import (
+    JSON_FORMAT,
+    GrammarBackend,
+    GrammarError,
+    close_objects,
+    json_schema_grammar,
+    lark_grammar,
+)
 from server.errors import InvalidRequestError
 from server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat
 from server.tool_parsers import FunctionTool, ParsedToolCall, ToolParser
@@ -46,7 +53,7 @@ def answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
 
 def _inline(schema: dict[str, Any]) -> str:
     """A schema as a Lark ``%json`` expression, written in json.dumps style (``JSON_FORMAT``)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_FORMAT})
+    return "%json " + json.dumps({**close_objects(schema), "x-guidance": JSON_FORMAT})
 
 
 @dataclass

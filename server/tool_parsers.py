@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dflash2.grammar import JSON_FORMAT as _X_GUIDANCE  # JSON as json.dumps writes it, no free whitespace
+from dflash2.grammar import close_objects
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,14 @@ def _load_args(arguments: str) -> Any:
 
 
 def _schema(schema: Any, defs_from: dict[str, Any] | None = None) -> str:
-    """``%json {...}`` for a schema (``{}`` or ``True``: any value), with the whitespace settings and the
-    ``$defs``/``definitions`` of ``defs_from`` hoisted to its top level so that ``#/$defs/...`` refs resolve."""
+    """``%json {...}`` for a schema (``{}`` or ``True``: any value), with the whitespace settings, undeclared
+    keys closed off (``dflash2.grammar.close_objects``) and the ``$defs``/``definitions`` of ``defs_from``
+    hoisted to its top level so that ``#/$defs/...`` refs resolve."""
     top = dict(schema) if isinstance(schema, dict) else {}
     for key in ("$defs", "definitions"):
         if defs_from and key in defs_from:
             top[key] = defs_from[key]
+    top = close_objects(top)
     top["x-guidance"] = _X_GUIDANCE
     return "%json " + json.dumps(top)
 

@@ -140,3 +140,24 @@ def test_grammar_rows_do_not_change_unconstrained_neighbours(wide_target, smollm
     mixed = LLM.from_engine(engine).generate([[1, 2], [9, 8, 7], [3]], [constrained, free, constrained])
     assert mixed[1].token_ids == alone.token_ids
     assert torch.tensor(mixed[0].token_ids).numel() > 0
+
+
+def test_close_objects_closes_only_objects_that_leave_extra_keys_open():
+    from dflash2.grammar import close_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"type": "object", "additionalProperties": {"type": "string"}},
+            "d": {"const": {"properties": {}}},
+        },
+        "$defs": {"e": {"properties": {"f": {}}, "patternProperties": {"^x": {}}}},
+    }
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] == {"type": "string"}
+    assert closed["properties"]["d"] == {"const": {"properties": {}}}  # data, not a schema
+    assert "additionalProperties" not in closed["$defs"]["e"]
+    assert "additionalProperties" not in schema  # a copy
