@@ -271,13 +271,6 @@ class ResponsesRequest(StrictModel):
         if ignored:
             logger.debug("ignoring %s (no effect on this server's output)", ", ".join(ignored))
 
-    @property
-    def effective_tool_choice(self) -> str | FunctionToolChoice:
-        """``tool_choice`` with OpenAI's default: ``auto`` when tools are given, else ``none``."""
-        if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
-
     def to_chat(self) -> ChatConversion:
         """The equivalent chat completions request, and where each of its messages came from.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -61,6 +62,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = logger.info
         "config": config_summary(config),
     }
     workload = build_workload(config)
+    # Every method (engines, servers, llama.cpp) gets the workload's context, not the engine's default.
+    config = replace(config, engine=replace(config.engine, max_model_len=workload.max_model_len))
     results["prompt_sets"] = {s.name: len(s.prompt_ids) for s in workload.sets}
     results["notes"] = list(workload.notes)
     if config.single_stream:

@@ -53,14 +53,19 @@ def render_chat(tokenizer: Any, messages: Messages) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
+BENCH_MAX_MODEL_LEN = 2048  # every method's context unless --max-model-len says otherwise
+
+
 def model_max_len(folder: Path, max_model_len: int | None) -> int:
-    """The engine's ``max_model_len``: as configured, else min(model limit, 2048)."""
+    """The context every benchmarked method gets: as configured, else min(model limit,
+    ``BENCH_MAX_MODEL_LEN``) (the engine's own default is the model's whole limit; the benchmark
+    keeps caches, and so peak RSS, comparable with llama.cpp's ``n_ctx``; ``run_bench`` passes it on)."""
     if max_model_len:
         return max_model_len
     from dflash2.models.loader import load_hf_config
 
-    limit = getattr(load_hf_config(folder), "max_position_embeddings", 2048) or 2048
-    return min(int(limit), 2048)
+    limit = getattr(load_hf_config(folder), "max_position_embeddings", BENCH_MAX_MODEL_LEN) or BENCH_MAX_MODEL_LEN
+    return min(int(limit), BENCH_MAX_MODEL_LEN)
 
 
 def build_workload(config: BenchConfig) -> Workload:

@@ -85,7 +85,10 @@ def test_named_tool_choice_calls_that_tool(client):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_json_schema_outputs_validate_when_sampled(client, seed):
-    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True},
+    }
     response = chat(client, response_format=response_format, max_tokens=60, temperature=1.0, seed=seed)
     assert response.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(response.choices[0].message.content), ANSWER_SCHEMA)
@@ -149,7 +152,18 @@ def test_tool_history_round_trip(client):
     ("fields", "param"),
     [
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "frob"}}}}}], "tool_choice": "required"},  # noqa: E501
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "frob"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
             "tools[0].function.parameters",
         ),
         (
@@ -160,7 +174,10 @@ def test_tool_history_round_trip(client):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),  # noqa: E501
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
@@ -173,7 +190,10 @@ def test_bad_tools_and_schemas_are_400s_naming_the_field(client, fields, param):
 def test_fields_without_effect_are_accepted(client):
     response = chat(
         client,
-        messages=[{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi", "name": "ann"}],
+        messages=[
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "Hi", "name": "ann"},
+        ],
         max_completion_tokens=4,
         store=False,
         metadata={"run": "1"},
