@@ -109,7 +109,6 @@ class GrammarBackend:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
-        self._executor: Any = None
         self._lock = threading.Lock()
 
     @property
@@ -117,11 +116,9 @@ class GrammarBackend:
         """The ``llguidance.LLTokenizer`` (built once)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance
                 import llguidance.hf
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
-                self._executor = llguidance.LLExecutor(1)
             return self._tokenizer
 
     def check(self, grammar: str) -> None:
@@ -161,26 +158,28 @@ class GrammarBackend:
             ``[R, L, V]`` bool, True where a token is allowed. Unconstrained rows, and positions after a
             row's first illegal draft, allow everything.
         """
-        import llguidance.torch as llg_torch
-
         num_rows = len(matchers)
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((num_rows * num_positions, words), -1, dtype=torch.int32)
-        with_drafts, without = [], []
+        row_bytes = words * bitmask.element_size()
         for r, matcher in enumerate(matchers):
             if matcher is None:
                 continue
-            row_drafts = [int(t) for t in drafts[r][: num_positions - 1]]
-            if row_drafts:
-                with_drafts.append((matcher, r * num_positions, row_drafts))
-            else:
-                without.append((matcher, r * num_positions))
-        if with_drafts or without:
-            _ = self.llg_tokenizer  # builds the executor too
-        if with_drafts:
-            llg_torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
-        if without:
-            llg_torch.fill_next_token_bitmask_par(self._executor, without, bitmask)
+            # On the calling thread: llguidance's worker-thread executor competes with the OpenMP
+            # threads the target forward leaves spinning (3.6 vs 2.0 ms a step at batch 4, 2 cores).
+            consumed = 0
+            for j in range(num_positions):
+                row = bitmask[r * num_positions + j]
+                matcher.unsafe_compute_mask_ptr(row.data_ptr(), row_bytes)
+                if j == len(drafts[r]) or j == num_positions - 1:
+                    break
+                token = int(drafts[r][j])
+                word = int(row[token // 32]) if token < self.vocab_size else 0
+                if not (word >> (token % 32)) & 1 or not matcher.consume_token(token):
+                    break  # an illegal draft: it will be rejected, later positions are never sampled
+                consumed += 1
+            if consumed:
+                matcher.rollback(consumed)
         return unpack_bitmask(bitmask, self.vocab_size).view(num_rows, num_positions, self.vocab_size)
 
 

@@ -36,7 +36,7 @@ from starlette.responses import Response
 
 from server.errors import APIError, InvalidRequestError, describe_validation_error, error_body, error_kind
 from server.protocol import MAX_TOOLS, NAME_PATTERN, ChatCompletionRequest, NamedToolChoice, StrictModel, UsageInfo
-from server.serving import _SSE_PING_SECONDS, Generation, OpenAIServing, usage_info, visible_text
+from server.serving import SSE_PING_SECONDS, Generation, OpenAIServing, usage_info, visible_text
 from server.tool_calling import ToolPlan, new_tool_call_id
 from server.tool_parsers import ParsedToolCall
 
@@ -787,7 +787,7 @@ class ResponsesServing:
         conversion = request.to_chat()
         chat = conversion.request
         try:
-            generation, plan = await self.serving._start_chat(chat)
+            generation, plan = await self.serving.start_chat(chat)
         except APIError as exc:
             exc.param = conversion.param(exc.param)
             raise
@@ -800,7 +800,7 @@ class ResponsesServing:
             return EventSourceResponse(
                 self._events(ResponseStream(response), generation, plan),
                 sep="\n",
-                ping=_SSE_PING_SECONDS,
+                ping=SSE_PING_SECONDS,
                 background=BackgroundTask(generation.close),
             )
         (state,) = await generation.collect()

@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _REPLACEMENT_CHAR = "\ufffd"
-_SSE_PING_SECONDS = 15
+SSE_PING_SECONDS = 15
 
 
 @dataclass(frozen=True)
@@ -276,13 +276,13 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         """``POST /v1/chat/completions`` (tools and ``response_format`` through ``ToolPlan``)."""
-        generation, plan = await self._start_chat(request)
+        generation, plan = await self.start_chat(request)
         if request.stream:
             return self._event_stream(self._chat_chunks(request, generation, plan), generation)
         states = await generation.collect()
         return JSONResponse(self._chat_response(request, generation, states, plan).model_dump())
 
-    async def _start_chat(self, request: ChatCompletionRequest) -> tuple[Generation, ToolPlan]:
+    async def start_chat(self, request: ChatCompletionRequest) -> tuple[Generation, ToolPlan]:
         """Check and plan tools and structured outputs, render the template and submit."""
         self.model.check(request.model)
         _convert_param_errors(request.check)
@@ -509,7 +509,7 @@ class OpenAIServing:
     def _event_stream(self, chunks: AsyncIterator[str], generation: Generation) -> EventSourceResponse:
         # The background task also closes a stream whose generator never started (client gone at once).
         return EventSourceResponse(
-            chunks, sep="\n", ping=_SSE_PING_SECONDS, background=BackgroundTask(generation.close)
+            chunks, sep="\n", ping=SSE_PING_SECONDS, background=BackgroundTask(generation.close)
         )
 
     async def _chat_chunks(
