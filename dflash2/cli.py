@@ -263,6 +263,11 @@ def _bench(args: argparse.Namespace) -> int:
         serving_requests=args.serving_requests,
         serving_seconds=args.serving_seconds,
         serving_temperature=args.serving_temperature,
+        agents=args.agents,
+        agent_history_tokens=args.agent_history_tokens,
+        agent_conversations=args.agent_conversations,
+        agent_turns=args.agent_turns,
+        agent_max_tokens=args.agent_max_tokens,
         command=getattr(args, "command_line", ""),
     )
     run_bench(config, progress=lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
@@ -324,6 +329,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         default=d.serving_temperature,
         help="temperature of the serving requests (default: %(default)s)",
     )
+    parser.add_argument(
+        "--agents",
+        action=argparse.BooleanOptionalAction,
+        default=d.agents,
+        help="multi-turn agent workload: TTFT and hit rate with and without the prefix cache",
+    )
+    parser.add_argument(
+        "--agent-history-tokens", type=int, default=d.agent_history_tokens, help="shared system prompt, in tokens"
+    )
+    parser.add_argument("--agent-conversations", type=int, default=d.agent_conversations, help="conversations")
+    parser.add_argument("--agent-turns", type=int, default=d.agent_turns, help="questions per conversation")
+    parser.add_argument("--agent-max-tokens", type=int, default=d.agent_max_tokens, help="output tokens per answer")
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:

@@ -35,6 +35,8 @@ class EngineConfig:
         enforce_eager: run every forward eagerly; by default the verify / decode forward and
             the drafter's block are compiled (inductor on CPU, CUDA graphs on CUDA) and fall
             back to eager mode with a warning when compilation fails (docs/engine.md).
+        enable_prefix_caching: reuse the target KV and drafter context of the longest prompt
+            prefix another request already computed (``dflash2/prefix_cache.py``).
     """
 
     model: str | None = None
@@ -48,6 +50,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:

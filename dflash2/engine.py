@@ -26,6 +26,7 @@ from dflash2.config import EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
+from dflash2.prefix_cache import PrefixCache
 from dflash2.request import (
     FinishReason,
     Request,
@@ -104,6 +105,9 @@ class Engine:
             enforce_eager=config.enforce_eager,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
+        self.prefix_cache = PrefixCache(
+            config.max_num_seqs, enabled=config.enable_prefix_caching and self.runner.supports_prefix_copy
+        )
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._lock = threading.Lock()
@@ -309,7 +313,7 @@ class Engine:
         start = time.perf_counter()
         stats = StepStats(block_size=self.block_size)
         outputs = self._drain_inbox()
-        admitted = self.scheduler.admit()
+        admitted = self.scheduler.admit(self._choose_slot)
         if admitted:
             outputs += self._isolated(admitted, self._prefill_forward, self._prefill_commit, stats)
         # Rows in slot order: when the running slots are contiguous (a full batch), the KV cache
@@ -352,8 +356,27 @@ class Engine:
                     outputs.append(self._output(request, [], "", None))
         return outputs
 
+    def _choose_slot(self, request: Request, free_slots: list[int]) -> int:
+        """Admission: the slot for ``request`` and the cached part of its prompt (copied here when it
+        lives in another slot); ``request.num_cached`` is set to it."""
+        busy = {r.slot: _committed_tokens(r) for r in self.scheduler.running if r.slot is not None}
+        match = self.prefix_cache.choose(request.prompt_ids, free_slots, busy)
+        if match.source is not None:
+            self.runner.copy_prefix(match.source, match.slot, match.num_cached)
+        else:
+            self.runner.rollback(match.slot, match.num_cached)
+        self.prefix_cache.assign(match.slot, request.prompt_ids, match.num_cached)
+        request.num_cached = request.num_cached_prompt_tokens = match.num_cached
+        return match.slot
+
     def _release(self, request: Request) -> None:
+        """Free a finished request's slot; what it committed stays there for the prefix cache, unless it
+        was aborted or failed (then nothing in the slot is trusted)."""
         if request.slot is not None:
+            if request.finish_reason is FinishReason.ABORT:
+                self.prefix_cache.clear(request.slot)
+            else:
+                self.prefix_cache.record(request.slot, _committed_tokens(request))
             self.runner.free(request.slot)
         self.scheduler.remove(request)
 
@@ -407,10 +430,11 @@ class Engine:
         """Run the prompts through the target, write drafter context and sample each first token:
         the logits ``[R, 1, V]`` and the first token ids."""
         slots = [self._slot(r) for r in requests]
-        prompts = [r.prompt_ids for r in requests]
-        logits, features = self.runner.prefill(slots, prompts, [0] * len(requests))
+        starts = [r.num_cached_prompt_tokens for r in requests]  # a cached prefix is not recomputed
+        rest = [r.prompt_ids[start:] for r, start in zip(requests, starts)]
+        logits, features = self.runner.prefill(slots, rest, starts)
         if features is not None:
-            self.runner.append_context(slots, [0] * len(requests), features, [len(p) for p in prompts])
+            self.runner.append_context(slots, starts, features, [len(tokens) for tokens in rest])
         no_drafts = logits.new_zeros(len(requests), 0).long()
         allowed = self._grammar_masks(requests, [[] for _ in requests], 1, stats)
         probs = target_probs(logits, self._logits_context(requests), no_drafts, allowed)
@@ -424,6 +448,8 @@ class Engine:
         logits, first_ids = result
         stats.num_prefills += len(requests)
         stats.num_prefill_tokens += sum(len(r.prompt_ids) for r in requests)
+        stats.num_prefix_cache_queries += sum(len(r.prompt_ids) for r in requests)
+        stats.num_prefix_cache_hits += sum(r.num_cached_prompt_tokens for r in requests)
         outputs = []
         for i, request in enumerate(requests):
             request.num_cached = len(request.prompt_ids)
@@ -641,6 +667,7 @@ class Engine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             num_verify_steps=request.num_verify_steps,
+            num_cached_tokens=request.num_cached_prompt_tokens,
         )
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -675,6 +702,12 @@ class Engine:
     def _slot(request: Request) -> int:
         assert request.slot is not None
         return request.slot
+
+
+def _committed_tokens(request: Request) -> list[int]:
+    """The tokens whose target KV and drafter context a request's slot holds: prompt + output, up to
+    ``num_cached`` (the anchor, the last output token, is not in the cache yet)."""
+    return [*request.prompt_ids, *request.output_ids][: request.num_cached]
 
 
 def _error_output(request: Request, message: str) -> RequestOutput:
@@ -795,6 +828,7 @@ class Completion:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -812,6 +846,7 @@ class Completion:
             output.error,
         )
         self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_cached_prompt_tokens = output.num_cached_tokens
         self.num_verify_steps = output.num_verify_steps
         self.num_draft_tokens = output.num_draft_tokens
         self.num_accepted_tokens = output.num_accepted_tokens

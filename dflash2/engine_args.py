@@ -28,9 +28,18 @@ def default_log_level() -> str:
 # Engine flags a subcommand does not use, by destination name: they are not offered there, so a
 # mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
 UNUSED_ENGINE_FLAGS = {
-    "data": ("drafter", "block_size", "use_selector", "seed"),
-    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", "seed", "enforce_eager"),
-    "eval": ("block_size", "max_model_len", "seed", "enforce_eager"),
+    "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching"),
+    "train": (
+        "drafter",
+        "block_size",
+        "use_selector",
+        "max_num_seqs",
+        "max_model_len",
+        "seed",
+        "enforce_eager",
+        "enable_prefix_caching",
+    ),
+    "eval": ("block_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching"),
 }
 
 
@@ -89,6 +98,13 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         action="store_true",
         default=_DEFAULTS.enforce_eager,
         help="run every forward eagerly (default: compiled decode and draft forwards, cached between runs)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.enable_prefix_caching,
+        help="reuse the KV cache of a prompt prefix computed before (agent loops, shared system prompts); "
+        "--no-enable-prefix-caching turns it off (default: on)",
     )
     g.add_argument(
         "--threads",

@@ -65,6 +65,7 @@ class Request:
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_verify_steps: int = 0
@@ -105,6 +106,7 @@ class RequestOutput:
             ``stop_reason`` is the matched stop string or stop token id (None for EOS).
         num_prompt_tokens, num_output_tokens: cumulative token counts.
         num_draft_tokens, num_accepted_tokens, num_verify_steps: cumulative speculative stats.
+        num_cached_tokens: prompt tokens served from the prefix cache (not recomputed).
     """
 
     request_id: str
@@ -120,6 +122,7 @@ class RequestOutput:
     num_accepted_tokens: int
     num_verify_steps: int
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -135,7 +138,10 @@ class StepStats:
 
     Attributes:
         block_size: B used for this step (1 = autoregressive).
-        num_prefills: requests prefilled this step; num_prefill_tokens: their prompt tokens.
+        num_prefills: requests prefilled this step; num_prefill_tokens: their prompt tokens (cached
+            ones included).
+        num_prefix_cache_queries, num_prefix_cache_hits: prompt tokens of the requests admitted this
+            step, and how many of them came from the prefix cache.
         num_decode_rows: rows that took part in the draft–verify cycle.
         num_drafts: verify steps with at least one drafted token.
         num_draft_tokens: drafted tokens that were verified.
@@ -153,6 +159,8 @@ class StepStats:
     block_size: int = 1
     num_prefills: int = 0
     num_prefill_tokens: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
     num_decode_rows: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0

@@ -561,6 +561,20 @@ class ModelRunner:
         """Set a slot's committed target length (O(1))."""
         self.target_cache.rollback(slot, length)
 
+    @property
+    def supports_prefix_copy(self) -> bool:
+        """True when the caches are contiguous per slot (``KVCache``), so a prefix can be copied."""
+        return isinstance(self.target_cache, KVCache)
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Copy positions ``[0, length)`` of slot ``source`` into slot ``dest``: target K/V and drafter
+        context (prefix caching). ``dest`` then holds ``length`` committed tokens."""
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                cache.k[:, dest, :, :length] = cache.k[:, source, :, :length]
+                cache.v[:, dest, :, :length] = cache.v[:, source, :, :length]
+        self.target_cache.rollback(dest, length)
+
     def free(self, slot: int) -> None:
         """Forget a slot in both caches."""
         self.target_cache.free(slot)

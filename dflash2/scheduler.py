@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from dflash2.request import Request, RequestStatus
 
@@ -33,12 +34,19 @@ class Scheduler:
         """Queue a request."""
         self.waiting.append(request)
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots (lowest slot first); returns the admitted ones."""
+    def admit(self, choose_slot: Callable[[Request, list[int]], int] | None = None) -> list[Request]:
+        """Move waiting requests into free slots in FIFO order; returns the admitted ones.
+
+        Args:
+            choose_slot: picks one of the free slots for a request (the prefix cache's choice);
+                default: the lowest.
+        """
         admitted = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
-            request.slot = self.free_slots.pop()
+            slot = choose_slot(request, sorted(self.free_slots)) if choose_slot else min(self.free_slots)
+            self.free_slots.remove(slot)
+            request.slot = slot
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(request)

@@ -101,7 +101,14 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter",
                    "Committed acceptances per draft position: position i counts only when drafts 0..i were all "
                    "accepted.", labels=("position",), vllm_names=("spec_decode_num_accepted_tokens_per_pos",)),
-        MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled.", vllm_names=("prompt_tokens",)),
+        MetricSpec("prompt_tokens", "counter", "Prompt tokens of admitted requests (prefix-cache hits included).",
+                   vllm_names=("prompt_tokens",)),
+        MetricSpec("prefix_cache_queries", "counter",
+                   "Prompt tokens looked up in the prefix cache (every admitted request's prompt).",
+                   vllm_names=("prefix_cache_queries",)),
+        MetricSpec("prefix_cache_hits", "counter",
+                   "Prompt tokens served from the prefix cache (their KV reused, not recomputed).",
+                   vllm_names=("prefix_cache_hits",)),
         MetricSpec("generation_tokens", "counter", "Output tokens committed.", vllm_names=("generation_tokens",)),
         MetricSpec("request_success", "counter",
                    "Finished requests by finish reason (stop, length, abort = client went away, error = engine "
@@ -153,9 +160,9 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
                    "Per finished request: the max_tokens limit the engine applied (count; the server's default "
                    "when the client sent none).", buckets=tokens, vllm_names=("request_params_max_tokens",)),
         MetricSpec("iteration_tokens_total", "histogram",
-                   "Per engine step that processed tokens: prompt tokens prefilled plus output tokens committed "
-                   "(count; rejected drafts not included).", buckets=ITERATION_TOKENS_BUCKETS,
-                   vllm_names=("iteration_tokens_total",)),
+                   "Per engine step that processed tokens: prompt tokens computed (prefix-cache hits not "
+                   "included) plus output tokens committed (count; rejected drafts not included).",
+                   buckets=ITERATION_TOKENS_BUCKETS, vllm_names=("iteration_tokens_total",)),
     )
     # fmt: on
 
@@ -241,9 +248,12 @@ class Metrics:
         for length in stats.acceptance_lengths:
             f["acceptance_length"].observe(length)
         f["prompt_tokens"].inc(stats.num_prefill_tokens)
+        f["prefix_cache_queries"].inc(stats.num_prefix_cache_queries)
+        f["prefix_cache_hits"].inc(stats.num_prefix_cache_hits)
         f["generation_tokens"].inc(stats.num_generated_tokens)
-        if stats.num_prefill_tokens + stats.num_generated_tokens:
-            f["iteration_tokens_total"].observe(stats.num_prefill_tokens + stats.num_generated_tokens)
+        computed = stats.num_prefill_tokens - stats.num_prefix_cache_hits + stats.num_generated_tokens
+        if computed:
+            f["iteration_tokens_total"].observe(computed)
         f["num_requests_running"].set(stats.num_running)
         f["num_requests_waiting"].set(stats.num_waiting)
         f["kv_cache_usage_perc"].set(stats.kv_cache_usage)

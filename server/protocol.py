@@ -480,12 +480,19 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens`` came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     """Token counts of one response (all choices)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class SpecDecodeInfo(BaseModel):

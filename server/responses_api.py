@@ -517,7 +517,10 @@ class ResponseUsage(BaseModel):
     def from_usage(cls, usage: UsageInfo) -> ResponseUsage:
         """From the chat counts."""
         return cls(
-            input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
         )
 
 

@@ -60,6 +60,7 @@ from server.protocol import (
     FunctionCall,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     RequestParamError,
     SamplingRequest,
     SpecDecodeInfo,
@@ -205,10 +206,15 @@ def tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None
 
 
 def usage_info(num_prompt_tokens: int, states: Sequence[ChoiceState]) -> UsageInfo:
-    """Prompt counted once, completion tokens summed over the choices."""
+    """Prompt counted once, completion tokens summed over the choices; cached prompt tokens are the
+    fewest any choice reused (each choice is an engine request over the same prompt)."""
     completion = sum(s.num_tokens for s in states)
+    cached = min((s.last.num_cached_tokens for s in states if s.last is not None), default=0)
     return UsageInfo(
-        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -508,9 +514,7 @@ class OpenAIServing:
 
     def _event_stream(self, chunks: AsyncIterator[str], generation: Generation) -> EventSourceResponse:
         # The background task also closes a stream whose generator never started (client gone at once).
-        return EventSourceResponse(
-            chunks, sep="\n", ping=SSE_PING_SECONDS, background=BackgroundTask(generation.close)
-        )
+        return EventSourceResponse(chunks, sep="\n", ping=SSE_PING_SECONDS, background=BackgroundTask(generation.close))
 
     async def _chat_chunks(
         self, request: ChatCompletionRequest, generation: Generation, plan: ToolPlan

@@ -106,6 +106,11 @@ class BenchConfig:
         serving_requests: requests per level (a bound; the level also stops at ``serving_seconds``).
         serving_seconds: wall-clock bound per level.
         serving_temperature: temperature of the serving requests.
+        agents: run the multi-turn agent workload (prefix cache on vs off; ``bench/agents.py``).
+        agent_history_tokens: tokens of the system prompt the conversations share.
+        agent_conversations: concurrent conversations.
+        agent_turns: questions per conversation.
+        agent_max_tokens: output tokens per answer.
         command: the exact command line, for the report.
     """
 
@@ -130,6 +135,11 @@ class BenchConfig:
     serving_requests: int = 16
     serving_seconds: float = 120.0
     serving_temperature: float = 0.0
+    agents: bool = True
+    agent_history_tokens: int = 3000
+    agent_conversations: int = 3
+    agent_turns: int = 4
+    agent_max_tokens: int = 16
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -149,6 +159,10 @@ class BenchConfig:
             (all(c >= 1 for c in self.concurrency) and bool(self.concurrency), "concurrency levels must be >= 1"),
             (self.serving_requests >= 1, "serving_requests must be at least 1"),
             (self.serving_seconds > 0, "serving_seconds must be positive"),
+            (self.agent_history_tokens >= 1, "agent_history_tokens must be at least 1"),
+            (self.agent_conversations >= 1, "agent_conversations must be at least 1"),
+            (self.agent_turns >= 2, "agent_turns must be at least 2 (follow-up turns are the point)"),
+            (self.agent_max_tokens >= 1, "agent_max_tokens must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:

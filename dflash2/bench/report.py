@@ -235,6 +235,42 @@ def startup_table(results: dict[str, Any]) -> list[str]:
     return table(header, body)
 
 
+def agents_table(results: dict[str, Any]) -> list[str]:
+    """The agent workload: TTFT of first and follow-up turns and the hit rate, cache on vs off."""
+    agents = results.get("agents") or {}
+    servers = agents.get("servers", [])
+    if not servers:
+        return []
+    rows = [
+        [
+            s["server"],
+            fmt(s["ttft_first_p50_ms"], 0),
+            fmt(s["ttft_first_p99_ms"], 0),
+            fmt(s["ttft_followup_p50_ms"], 0),
+            fmt(s["ttft_followup_p99_ms"], 0),
+            pct(s["cached_tokens"], s["prompt_tokens"]),
+            fmt(s["tau"], 2),
+            str(s["num_errors"]),
+        ]
+        for s in servers
+    ]
+    header = ["server", "TTFT 1st turn p50 ms", "p99", "TTFT follow-up p50 ms", "p99", "hit rate", "τ", "errors"]
+    lines = [
+        f"{agents['conversations']} conversations × {agents['turns']} turns over a shared "
+        f"{agents['history_tokens']}-token system prompt, {agents['max_tokens']} output tokens per answer "
+        "(later conversations start after the first one's first answer).",
+        "",
+        *table(header, rows),
+    ]
+    if agents.get("followup_ttft_ratio") is not None:
+        lines += [
+            "",
+            f"Follow-up TTFT with the cache: {100 * agents['followup_ttft_ratio']:.0f} % of the cold TTFT "
+            f"(p50; first turns: {100 * (agents.get('first_turn_ttft_ratio') or 0):.0f} %).",
+        ]
+    return lines
+
+
 def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     """The whole report."""
     config = results["config"]
@@ -275,7 +311,14 @@ def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
             lines.append(
                 f"- {server}: `{info.get('command', info.get('url'))}`, peak RSS {mb(info.get('peak_rss_bytes'))} MB"
             )
-    notes = results.get("notes", []) + results.get("serving", {}).get("notes", [])
+    agents = agents_table(results)
+    if agents:
+        lines += ["", "## Agent workload (prefix cache)", "", *agents, ""]
+    notes = (
+        results.get("notes", [])
+        + results.get("serving", {}).get("notes", [])
+        + results.get("agents", {}).get("notes", [])
+    )
     if notes:
         lines += ["", "## Notes", "", *[f"- {n}" for n in notes]]
     if plots:

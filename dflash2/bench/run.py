@@ -43,6 +43,11 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "serving_seconds": config.serving_seconds,
         "serving_temperature": config.serving_temperature,
         "serving_block_size": config.serving_block_size,
+        "agents": config.agents,
+        "agent_history_tokens": config.agent_history_tokens,
+        "agent_conversations": config.agent_conversations,
+        "agent_turns": config.agent_turns,
+        "agent_max_tokens": config.agent_max_tokens,
         "enforce_eager": e.enforce_eager,
         "eager_rows": config.eager_rows,
     }
@@ -88,6 +93,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = logger.info
         results["startup"] = measure_startup(config, progress)
     if config.serving:
         results["serving"] = run_serving(config, workload.messages, log_dir, progress).to_dict()
+    if config.agents:
+        from dflash2.bench.agents import run_agents
+
+        results["agents"] = run_agents(config, workload.folder, log_dir, progress)
     for path in write_report(config.out, results):
         progress(f"wrote {path}")
     return results

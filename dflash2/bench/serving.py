@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,8 +119,11 @@ class RunningServer:
 
 
 @contextmanager
-def started_server(config: BenchConfig, spec: ServerSpec, log_path: Path) -> Iterator[RunningServer]:
-    """Start ``dflash2 serve`` for ``spec``, wait until ready, yield it, then SIGTERM it (it drains).
+def started_server(
+    config: BenchConfig, spec: ServerSpec, log_path: Path, extra_args: Sequence[str] = ()
+) -> Iterator[RunningServer]:
+    """Start ``dflash2 serve`` for ``spec`` (plus ``extra_args``), wait until ready, yield it, then
+    SIGTERM it (it drains).
 
     Raises:
         RuntimeError: the server exited or was not ready in time (the message has its log's tail).
@@ -128,7 +131,7 @@ def started_server(config: BenchConfig, spec: ServerSpec, log_path: Path) -> Ite
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = serve_command(config, spec, port)
+    command = [*serve_command(config, spec, port), *extra_args]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:

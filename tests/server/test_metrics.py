@@ -21,6 +21,8 @@ COUNTERS = [
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
     "prompt_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
     "generation_tokens",
     "request_success",
 ]
@@ -60,6 +62,8 @@ VLLM_NAMES = [
     "vllm:request_params_max_tokens",
     "vllm:iteration_tokens_total",
     "vllm:prompt_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
     "vllm:generation_tokens",
     "vllm:request_success",
     "vllm:spec_decode_num_drafts",
