@@ -13,6 +13,8 @@ from tests.server.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
 
+NO_CACHE = {"prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine has no prefix cache
+
 
 async def sse_events(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
     """The ``data:`` payloads of a stream, JSON-decoded ([DONE] kept as a string); checks the framing."""
@@ -44,7 +46,7 @@ async def test_chat_stream_order_role_deltas_finish_usage_done():
                                  "mean_acceptance_length": 1.0}  # fmt: skip
     usage = chunks[5]
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 19, "completion_tokens": 3, "total_tokens": 22}
+    assert usage["usage"] == {"prompt_tokens": 19, "completion_tokens": 3, "total_tokens": 22, **NO_CACHE}
     assert len(chunks) == 6
     assert all("usage" not in c for c in chunks[:5])
 
@@ -64,7 +66,7 @@ async def test_completion_stream_with_echo_and_two_choices():
             finishes[choice["index"]] = choice["finish_reason"]
     assert texts == {0: "heyab", 1: "heyab"}
     assert finishes == {0: "length", 1: "length"}
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, **NO_CACHE}
 
 
 async def test_n_choices_sum_usage_and_seed_increments():
@@ -74,7 +76,7 @@ async def test_n_choices_sum_usage_and_seed_increments():
         response = (await client.post("/v1/chat/completions", json=body)).json()
     assert [p.seed for p in engine.submitted] == [7, 8, 9]
     assert [c["index"] for c in response["choices"]] == [0, 1, 2]
-    assert response["usage"] == {"prompt_tokens": 19, "completion_tokens": 12, "total_tokens": 31}
+    assert response["usage"] == {"prompt_tokens": 19, "completion_tokens": 12, "total_tokens": 31, **NO_CACHE}
     assert response["dflash2"]["verify_steps"] == 9
 
 
