@@ -37,6 +37,9 @@ class EngineConfig:
             back to eager mode with a warning when compilation fails (docs/engine.md).
         enable_prefix_caching: reuse the target KV and drafter context of the longest prompt
             prefix another request already computed (``dflash2/prefix_cache.py``).
+        speculative_adaptive: choose each step's verify width (drafts per row, 0 … B−1) from live
+            acceptance and the measured step cost (``dflash2/adaptive.py``); False: always the
+            full block.
     """
 
     model: str | None = None
@@ -51,6 +54,7 @@ class EngineConfig:
     num_threads: int | None = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:

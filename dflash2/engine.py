@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dflash2.adaptive import GLOBAL_ALPHA, PRIOR_ACCEPTANCE, AcceptanceEstimate, CostModel, choose_width
 from dflash2.config import EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
@@ -105,6 +106,8 @@ class Engine:
             enforce_eager=config.enforce_eager,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
+        self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
+        self.acceptance = AcceptanceEstimate([PRIOR_ACCEPTANCE] * (self.block_size - 1), alpha=GLOBAL_ALPHA)
         self.prefix_cache = PrefixCache(
             config.max_num_seqs, enabled=config.enable_prefix_caching and self.runner.supports_prefix_copy
         )
@@ -195,6 +198,24 @@ class Engine:
             total += per_token(self.drafter.config, self.drafter.dtype)
         return total
 
+    def _measure_costs(self) -> CostModel:
+        """The adaptive policy's cost table: every verify width and the drafter's block, timed now at
+        1, 2, 4, … rows up to ``max_num_seqs`` (a few seconds)."""
+        start = time.perf_counter()
+        slots = self.config.max_num_seqs
+        row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
+        verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths)
+        model = CostModel(slots, self.runner.verify_widths)
+        model.seed(verify, draft)
+        logger.info(
+            "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
+            "drafter block %.1f ms",
+            time.perf_counter() - start,
+            ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
+            1000 * model.draft[1],
+        )
+        return model
+
     @property
     def is_speculative(self) -> bool:
         """True when steps draft blocks (block size > 1)."""
@@ -262,6 +283,7 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             detokenizer=self._new_detokenizer(prompt_ids, params),
             matcher=matcher,
+            acceptance=AcceptanceEstimate(list(self.acceptance.values)) if self.cost_model else None,
         )
         with self._lock:
             self._inbox.append(("add", request))
@@ -459,14 +481,44 @@ class Engine:
         return outputs
 
     def _speculate(self, rows: list[Request], stats: StepStats) -> _Verified:
-        """Draft, select and verify every row's block (the autoregressive step at block size 1)."""
-        if self.is_speculative:
+        """Draft, select and verify every row's block (the autoregressive step at block size 1, or
+        when the adaptive policy chooses width 1)."""
+        limits = self._num_drafts(rows)
+        width = self._choose_width(rows, limits, stats)
+        num_drafts = [min(limit, width - 1) for limit in limits]
+        draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
+        if self.is_speculative and width > 1:
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)
         else:
             proposal = self._no_proposal(len(rows))
-        return self._verify(rows, proposal, self._num_drafts(rows), stats)
+        verified = self._verify(rows, proposal, num_drafts, stats)
+        stats.verify_width, stats.draft_lengths = max(num_drafts) + 1, num_drafts
+        if self.cost_model is not None:
+            self.cost_model.observe(
+                len(rows),
+                max(num_drafts) + 1,
+                stats.verify_time - verify_before,
+                stats.draft_time + stats.select_time - draft_before,
+            )
+        return verified
+
+    def _choose_width(self, rows: list[Request], limits: list[int], stats: StepStats) -> int:
+        """The verify width of this step: the block, or the adaptive policy's choice. A seeded sampled
+        request keeps the full block, so its text does not depend on what else is running."""
+        if self.cost_model is None or not self.is_speculative:
+            return self.block_size
+        seeded = any(not r.params.is_greedy and r.params.seed is not None for r in rows)
+        choice = choose_width(
+            [r.acceptance.values for r in rows],
+            limits,
+            self.cost_model.widths,
+            self.cost_model.seconds,
+            min_width=self.block_size if seeded else 1,
+        )
+        stats.predicted_tokens += choice.predicted_tokens
+        return choice.width
 
     # ---- draft + select -------------------------------------------------------------------------
 
@@ -546,6 +598,12 @@ class Engine:
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self._commit_tokens(request, emitted, logprob_rows, stats)
             self._count_acceptance(request, acc, len(committed), verified.num_drafts[i], stats)
+            if request.acceptance is not None:
+                if verified.num_drafts[i]:
+                    request.acceptance.observe(verified.num_drafts[i], acc)
+                    self.acceptance.observe(verified.num_drafts[i], acc)
+                else:
+                    request.acceptance.relax(self.acceptance.values)
             outputs.append(self._output(request, committed, text, logprobs))  # cumulative counts include this step
         live = [i for i, r in enumerate(rows) if not r.is_finished]
         if self.is_speculative and verified.features is not None and live:

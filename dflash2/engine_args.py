@@ -28,7 +28,7 @@ def default_log_level() -> str:
 # Engine flags a subcommand does not use, by destination name: they are not offered there, so a
 # mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
 UNUSED_ENGINE_FLAGS = {
-    "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching"),
+    "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching", "speculative_adaptive"),
     "train": (
         "drafter",
         "block_size",
@@ -38,8 +38,9 @@ UNUSED_ENGINE_FLAGS = {
         "seed",
         "enforce_eager",
         "enable_prefix_caching",
+        "speculative_adaptive",
     ),
-    "eval": ("block_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching"),
+    "eval": ("block_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching", "speculative_adaptive"),
 }
 
 
@@ -98,6 +99,13 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         action="store_true",
         default=_DEFAULTS.enforce_eager,
         help="run every forward eagerly (default: compiled decode and draft forwards, cached between runs)",
+    )
+    g.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.speculative_adaptive,
+        help="choose each step's drafts per row from live acceptance and the measured step cost "
+        "(--no-speculative-adaptive: always the full block; default: on)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -61,6 +61,7 @@ class Request:
     generator: torch.Generator
     detokenizer: Any
     matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
+    acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -152,6 +153,9 @@ class StepStats:
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
         draft_time, select_time, verify_time, total_time: seconds.
         grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
+        verify_width: tokens per row of the step's verify forward (1: no drafts; 0: no decode step).
+        draft_lengths: per decode row, the drafts it verified (adaptive speculation chooses them).
+        predicted_tokens: tokens the adaptive policy expected the decode rows to commit (0: fixed block).
         num_running, num_waiting: queue sizes after the step.
         kv_cache_usage: fraction (0–1) of target KV positions in use after the step.
     """
@@ -173,6 +177,9 @@ class StepStats:
     select_time: float = 0.0
     verify_time: float = 0.0
     grammar_time: float = 0.0
+    verify_width: int = 0
+    draft_lengths: list[int] = field(default_factory=list)
+    predicted_tokens: float = 0.0
     total_time: float = 0.0
     num_running: int = 0
     num_waiting: int = 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import time
@@ -347,6 +348,15 @@ class ModelRunner:
             self._compile(modules)
 
     @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Verify widths (tokens per row) a forward runs at without padding: every width from 1 to the
+        block eagerly and compiled on CPU (one dynamic graph for widths ≥ 2); 1 and the block with
+        CUDA graphs (other widths are padded to the block)."""
+        if self._target_forward is not None and self._cuda:
+            return tuple(dict.fromkeys((1, self.block_size)))
+        return tuple(range(1, self.block_size + 1))
+
+    @property
     def compiled(self) -> bool:
         """True when the verify / decode forward runs compiled."""
         return self._target_forward is not None
@@ -405,21 +415,26 @@ class ModelRunner:
         return [1, 2] if self.num_slots >= 2 else [1]
 
     def _warm_up(self, name: str, forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Build every graph now (rows on the scratch slot only), not in the middle of a request."""
+        """Build every graph now (rows on the scratch slot only), not in the middle of a request:
+        per row bucket, the drafter's block, and the target at width 1 and at the block width (on
+        CPU one graph covers every width from 2 to the block)."""
+        widths = dict.fromkeys((1, self.block_size)) if name == "target" else {self.block_size: None}
         for num_rows in dict.fromkeys(self._row_buckets()):
-            start = time.perf_counter()
-            for _ in range(2 if self._cuda else 1):  # CUDA graphs are recorded on a later call
-                if name == "target":
-                    rows = [[0] * self.block_size] * num_rows
-                    self._target_call([self.scratch_slot] * num_rows, rows, [0] * num_rows, forward)
-                else:
-                    slots = [self.scratch_slot] * num_rows
-                    anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-                    self._draft_call(slots, anchors, torch.ones_like(anchors), forward)
-            elapsed = time.perf_counter() - start
-            label = f"{name} rows={num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
-            self.compile_times[label] = elapsed
-            logger.info("compiled %s graph for %s row(s) in %.1f s", name, label.split("=")[1], elapsed)
+            for width in widths:
+                start = time.perf_counter()
+                for _ in range(2 if self._cuda else 1):  # CUDA graphs are recorded on a later call
+                    if name == "target":
+                        rows = [[0] * width] * num_rows
+                        self._target_call([self.scratch_slot] * num_rows, rows, [0] * num_rows, forward)
+                    else:
+                        slots = [self.scratch_slot] * num_rows
+                        anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+                        self._draft_call(slots, anchors, torch.ones_like(anchors), forward)
+                elapsed = time.perf_counter() - start
+                rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
+                width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if name == "target" else ""
+                self.compile_times[f"{name} rows={rows_label}{width_label}"] = elapsed
+                logger.info("compiled %s graph for %s row(s)%s in %.1f s", name, rows_label, width_label, elapsed)
 
     def _prepack_eager(self) -> None:
         """Pre-pack the eager modules' linear weights (CPU bfloat16 only); the static modules
@@ -465,11 +480,13 @@ class ModelRunner:
         starts: list[int],
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled forward with rows padded to the block size (and to a row bucket on CUDA)."""
+        """The compiled forward with rows padded to the narrowest verify width that holds the longest
+        row (and to a row bucket on CUDA)."""
         forward = self._target_forward if forward is None else forward
         assert forward is not None
         with _compiled_mode():  # inputs are built here too: a graph is guarded on its inputs' flags
-            num_rows, width = len(slots), self.block_size
+            longest = max(len(row) for row in token_rows)
+            num_rows, width = len(slots), min(w for w in self.verify_widths if w >= longest)
             extra = (_bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows) - num_rows
             input_ids = torch.tensor([row + [0] * (width - len(row)) for row in token_rows] + [[0] * width] * extra)
             lengths = torch.tensor([len(row) for row in token_rows] + [0] * extra)
@@ -484,18 +501,24 @@ class ModelRunner:
             keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda))
             inputs = [t.to(self.device) for t in (input_ids, positions, write_slots, write_positions, read_slots)]
             keys = keys.to(self.device)
-            self._mark_dynamic(inputs, keys)
+            self._mark_dynamic(inputs, keys, width_inputs=inputs[:4])
             logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
 
-    def _mark_dynamic(self, row_inputs: list[torch.Tensor], keys: torch.Tensor) -> None:
-        """CPU: one graph for every key length, and one for every row count ≥ 2 (batch 1 has its own)."""
+    def _mark_dynamic(
+        self, row_inputs: list[torch.Tensor], keys: torch.Tensor, width_inputs: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
+        for the target, one for every width ≥ 2 (width 1, a plain decode step, has its own)."""
         if self._cuda:
             return
         torch._dynamo.maybe_mark_dynamic(keys, 0)
         if row_inputs[0].shape[0] >= 2:
             for t in row_inputs:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in width_inputs:
+            if t.dim() == 2 and t.shape[1] >= 2:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def draft(
         self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
@@ -556,6 +579,37 @@ class ModelRunner:
         self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
         for slot, start, n in zip(slots, starts, lengths):
             self.draft_cache.rollback(slot, start + n)
+
+    def measure_costs(
+        self, row_counts: Sequence[int], widths: Sequence[int], repeats: int = 3
+    ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+        """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
+        drafter, the drafter's block at each row count (median of ``repeats`` after one warm-up call).
+
+        Returns:
+            ``({(rows, width): seconds}, {rows: seconds})`` (the second empty without a drafter).
+        """
+
+        def timed(call: Callable[[], object]) -> float:
+            call()
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - start)
+            return sorted(samples)[len(samples) // 2]
+
+        verify: dict[tuple[int, int], float] = {}
+        draft: dict[int, float] = {}
+        with torch.inference_mode():
+            for rows in row_counts:
+                slots, starts = [self.scratch_slot] * rows, [0] * rows
+                for width in widths:
+                    verify[(rows, width)] = timed(functools.partial(self.verify, slots, [[0] * width] * rows, starts))
+                if self.draft_cache is not None:
+                    anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
+                    draft[rows] = timed(functools.partial(self.draft, slots, anchors, torch.ones_like(anchors)))
+        return verify, draft
 
     def rollback(self, slot: int, length: int) -> None:
         """Set a slot's committed target length (O(1))."""

@@ -55,6 +55,8 @@ TOKEN_COUNT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3
 # Tokens per engine step: vLLM's powers of two (1, 8 … 16384), extended to a 128k-token prefill.
 ITERATION_TOKENS_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
                             32768.0, 65536.0, 131072.0)
+# Committed minus predicted tokens per row of an adaptive step (the policy's estimate error).
+PREDICTION_ERROR_BUCKETS = (-4.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 # fmt: on
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -120,6 +122,12 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("kv_cache_usage_perc", "gauge",
                    "Fraction (0-1) of target KV-cache positions holding committed tokens.",
                    vllm_names=("kv_cache_usage_perc", "gpu_cache_usage_perc")),
+        MetricSpec("spec_decode_draft_length", "histogram",
+                   "Drafts each decode row verified per step (adaptive speculation chooses 0 … block size - 1).",
+                   buckets=tuple(float(b) for b in range(0, block_size))),
+        MetricSpec("spec_decode_prediction_error", "histogram",
+                   "Per decode step with adaptive speculation: (tokens committed - tokens the policy predicted) / "
+                   "rows.", buckets=PREDICTION_ERROR_BUCKETS),
         MetricSpec("acceptance_length", "histogram",
                    "Tokens committed per verify step, bonus token included (1 = no draft accepted).",
                    buckets=tuple(float(b) for b in range(1, block_size + 1))),
@@ -247,6 +255,11 @@ class Metrics:
             f["spec_decode_num_accepted_tokens_per_pos"].inc(count, position=str(position))
         for length in stats.acceptance_lengths:
             f["acceptance_length"].observe(length)
+        for drafts in stats.draft_lengths if stats.block_size > 1 else ():
+            f["spec_decode_draft_length"].observe(drafts)
+        if stats.predicted_tokens and stats.draft_lengths:
+            error = (sum(stats.acceptance_lengths) - stats.predicted_tokens) / len(stats.draft_lengths)
+            f["spec_decode_prediction_error"].observe(error)
         f["prompt_tokens"].inc(stats.num_prefill_tokens)
         f["prefix_cache_queries"].inc(stats.num_prefix_cache_queries)
         f["prefix_cache_hits"].inc(stats.num_prefix_cache_hits)

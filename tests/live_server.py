@@ -37,7 +37,12 @@ class SmolLM2:
         """An engine over the shared target (each engine has its own KV caches)."""
         if drafter == "untrained":
             drafter = untrained_default_drafter(self.target, torch.float32, torch.device("cpu"))
-        defaults = {"max_num_seqs": REAL_MAX_NUM_SEQS, "max_model_len": REAL_MAX_MODEL_LEN}
+        # Full blocks: with the untrained drafter the adaptive policy would rightly stop drafting at all.
+        defaults = {
+            "max_num_seqs": REAL_MAX_NUM_SEQS,
+            "max_model_len": REAL_MAX_MODEL_LEN,
+            "speculative_adaptive": False,
+        }
         engine_config = EngineConfig(
             block_size=block_size, device="cpu", dtype="float32", enforce_eager=True, **{**defaults, **config}
         )

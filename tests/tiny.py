@@ -86,6 +86,7 @@ def tiny_engine(
     **kwargs,
 ) -> Engine:
     """A float32 CPU engine; eager unless ``enforce_eager=False`` (compiling takes seconds)."""
+    kwargs.setdefault("speculative_adaptive", False)  # full blocks unless a test asks for the policy
     config = EngineConfig(
         enforce_eager=enforce_eager,
         block_size=block_size if drafter is not None else 1,

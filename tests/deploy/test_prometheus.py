@@ -26,7 +26,7 @@ from tests.deploy.conftest import (
     dashboard_variables,
     load_yaml,
 )
-from tests.live_server import ServerThread, scrape, wait_until
+from tests.live_server import ServerThread, SmolLM2, scrape, wait_until
 
 # What Grafana would substitute for its interval variables on a short time range.
 RATE_WINDOW = "1m"
@@ -58,6 +58,14 @@ class Prometheus:
     def value(self, expr: str) -> float | None:
         result = self.query(expr)
         return float(result[0]["value"][1]) if result else None
+
+
+@pytest.fixture(scope="module")
+def real_server(smollm2: SmolLM2) -> Iterator[ServerThread]:
+    """The embedded model with the default engine settings (adaptive speculation on, unlike the shared
+    test server), so that every dashboard panel has data."""
+    with ServerThread(smollm2.engine(speculative_adaptive=True), max_concurrency=64) as server:
+        yield server
 
 
 @pytest.fixture

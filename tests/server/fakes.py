@@ -152,6 +152,8 @@ class FakeEngine:
             stats.num_drafts += 1
             stats.num_draft_tokens += self.block_size - 1
             stats.acceptance_lengths.append(1)
+            stats.draft_lengths.append(self.block_size - 1)
+            stats.predicted_tokens += 1.5  # as an adaptive engine reports it
         reason = "length" if len(request.output_ids) >= request.params.max_tokens else None
         if reason:
             self.scheduler.running.remove(request)

@@ -28,6 +28,8 @@ COUNTERS = [
 ]
 GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 HISTOGRAMS = [
+    "spec_decode_draft_length",
+    "spec_decode_prediction_error",
     "acceptance_length",
     "time_to_first_token_seconds",
     "inter_token_latency_seconds",
@@ -112,6 +114,8 @@ async def test_every_metric_is_exported_with_model_name_and_moves_after_a_reques
         assert value(after[f"dflash2_{gauge}"], f"dflash2_{gauge}") == 0
     counts = {h: value(after[f"dflash2_{h}"], f"dflash2_{h}_count") for h in HISTOGRAMS}
     assert counts == {
+        "spec_decode_draft_length": 2,
+        "spec_decode_prediction_error": 2,
         "acceptance_length": 2,
         "time_to_first_token_seconds": 1,
         "inter_token_latency_seconds": 2,
@@ -128,6 +132,9 @@ async def test_every_metric_is_exported_with_model_name_and_moves_after_a_reques
         "iteration_tokens_total": 3,  # prefill step, then one step per further token
     }
     assert value(after["dflash2_acceptance_length"], "dflash2_acceptance_length_sum") == 2  # τ = 1 each step
+    error = after["dflash2_spec_decode_prediction_error"]  # 1 committed, 1.5 predicted: -0.5 twice (no _sum:
+    bucket = "dflash2_spec_decode_prediction_error_bucket"  # prometheus omits it with negative buckets)
+    assert value(error, bucket, le="-0.5") == 2 and value(error, bucket, le="-1.0") == 0
     assert "process_resident_memory_bytes" in after
 
 

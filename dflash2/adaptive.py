@@ -1,0 +1,182 @@
+"""Adaptive speculation: each step's verify width from live acceptance and the measured step cost.
+
+A verify forward over R rows of width W (the anchor and W − 1 drafts) costs about the same whatever
+each row does with its W positions (rows are padded to one width), so the choice is the batch's
+width W ∈ 1 … B, each row then verifying ``min(W − 1, its limit)`` drafts. W = 1 is a plain
+autoregressive step: no drafter forward at all.
+
+For each candidate W the policy predicts
+
+    rate(W) = Σ_r E_r[committed tokens | W − 1 drafts] / T(R, W)
+
+and takes the best, where
+
+- ``E_r[k] = 1 + Σ_{j=1..k} Π_{i≤j} a_r,i`` with ``a_r,i`` row r's estimated probability that draft
+  i is accepted when drafts 1 … i−1 were (an exponentially weighted average of its own verify
+  outcomes, started from the engine-wide average, and drawn back toward it on steps without
+  drafts so a row is re-tried; spec §5.2's τ is E[W − 1] for a full block);
+- ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
+  drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
+  machine and shapes (``ModelRunner.measure_costs``) and kept up to date from every step's timings.
+
+Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
+block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
+*seeded* sampled request always verifies the full block, so its text does not depend on the load.
+Peers: vLLM V0's ``speculative_disable_by_batch_size`` (all or nothing above a batch size), llama.cpp's
+``--draft-p-min`` (stop drafting below a probability).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+# Starting acceptance per draft position before anything is observed: optimistic enough that the
+# first steps speculate (and so measure acceptance).
+PRIOR_ACCEPTANCE = 0.6
+ROW_ALPHA = 0.15  # weight of a row's newest verify outcome in its estimate
+# Per step without drafts, how far a row's estimate moves back toward the engine-wide one: a row that
+# stopped drafting after a bad patch is re-tried instead of staying autoregressive for good.
+RELAX_RATE = 0.1
+GLOBAL_ALPHA = 0.05  # weight of any row's outcome in the engine-wide estimate
+COST_ALPHA = 0.1  # weight of a new step timing in the cost table
+
+
+def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
+    """Expected tokens one verify step commits with ``num_drafts`` drafts: the bonus or correction
+    token plus each draft whose whole prefix is accepted (``acceptance[i]``: P(draft i+1 accepted |
+    drafts 1..i accepted))."""
+    total, survive = 1.0, 1.0
+    for i in range(num_drafts):
+        survive *= acceptance[i] if i < len(acceptance) else 0.0
+        total += survive
+    return total
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position conditional acceptance, updated from verify outcomes by exponential averaging.
+
+    Attributes:
+        values: ``[B − 1]`` estimates in [0, 1].
+        alpha: the weight of a new observation.
+    """
+
+    values: list[float]
+    alpha: float = ROW_ALPHA
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A verify step with ``num_drafts`` drafts accepted ``num_accepted``: positions before it were
+        accepted, the one after it (if drafted) rejected; later positions are not observed."""
+        for i in range(min(num_accepted + 1, num_drafts)):
+            seen = 1.0 if i < num_accepted else 0.0
+            self.values[i] += self.alpha * (seen - self.values[i])
+
+    def relax(self, toward: Sequence[float], rate: float = RELAX_RATE) -> None:
+        """Move every position ``rate`` of the way to ``toward`` (a step that observed nothing)."""
+        for i, target in enumerate(toward):
+            self.values[i] += rate * (target - self.values[i])
+
+
+@dataclass
+class CostModel:
+    """Seconds of one decode step by rows R and verify width W (``seconds(R, W)``).
+
+    ``verify[(R, W)]`` and ``draft[R]`` (drafter forward + selector) start from start-up measurements
+    at a few row counts and are interpolated in between (linearly in R); every step's own timings then
+    update the entry it used (exponential average).
+    """
+
+    max_rows: int
+    widths: tuple[int, ...]
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def seed(self, verify: dict[tuple[int, int], float], draft: dict[int, float]) -> None:
+        """Fill every (R, W) from measurements at some row counts (linear interpolation in R, flat beyond)."""
+        for width in self.widths:
+            known = {r: t for (r, w), t in verify.items() if w == width}
+            for rows in range(1, self.max_rows + 1):
+                self.verify[(rows, width)] = _interpolate(known, rows)
+        for rows in range(1, self.max_rows + 1):
+            self.draft[rows] = _interpolate(draft, rows)
+
+    def seconds(self, rows: int, width: int) -> float:
+        """Predicted seconds of a step (inf when never measured)."""
+        verify = self.verify.get((rows, width), math.inf)
+        return verify + (self.draft.get(rows, math.inf) if width > 1 else 0.0)
+
+    def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Fold one step's measured timings into the entries it used."""
+        key = (rows, width)
+        if key in self.verify:
+            self.verify[key] += COST_ALPHA * (verify_seconds - self.verify[key])
+        if width > 1 and rows in self.draft:
+            self.draft[rows] += COST_ALPHA * (draft_seconds - self.draft[rows])
+
+
+def _interpolate(known: dict[int, float], rows: int) -> float:
+    if not known:
+        return math.inf
+    if rows in known:
+        return known[rows]
+    below = [r for r in known if r < rows]
+    above = [r for r in known if r > rows]
+    if not below:
+        return known[min(above)]
+    if not above:
+        low = max(below)
+        return known[low] * rows / low  # beyond the last measurement: proportional to rows
+    low, high = max(below), min(above)
+    return known[low] + (known[high] - known[low]) * (rows - low) / (high - low)
+
+
+@dataclass(frozen=True)
+class WidthChoice:
+    """What the policy chose for one step.
+
+    Attributes:
+        width: W, tokens per row in the verify forward (1: no drafting).
+        predicted_tokens: Σ_r E_r at that width (what the step is expected to commit).
+        rates: predicted committed tokens per second for every candidate width (for inspection).
+    """
+
+    width: int
+    predicted_tokens: float
+    rates: dict[int, float]
+
+
+def choose_width(
+    acceptance: Sequence[Sequence[float]],
+    limits: Sequence[int],
+    widths: Sequence[int],
+    seconds: Callable[[int, int], float],
+    min_width: int = 1,
+) -> WidthChoice:
+    """The verify width that maximises predicted committed tokens per second.
+
+    Args:
+        acceptance: per row, conditional acceptance per draft position.
+        limits: per row, the most drafts it may verify (``max_tokens``, context end).
+        widths: candidate widths (each 1 … B).
+        seconds: ``seconds(R, W)``, the predicted step time.
+        min_width: the narrowest allowed (B when a seeded sampled row needs its full block).
+
+    Returns:
+        The choice; ties go to the narrower width (less compute for the same rate).
+    """
+    rows = len(acceptance)
+    candidates = sorted(w for w in widths if w >= min_width)
+    if all(math.isinf(seconds(rows, w)) for w in candidates):  # nothing measured: the full block
+        best = candidates[-1]
+        predicted = sum(expected_tokens(a, min(best - 1, limit)) for a, limit in zip(acceptance, limits))
+        return WidthChoice(best, predicted, {})
+    rates: dict[int, float] = {}
+    tokens: dict[int, float] = {}
+    for width in candidates:
+        tokens[width] = sum(expected_tokens(a, min(width - 1, limit)) for a, limit in zip(acceptance, limits))
+        cost = seconds(rows, width)
+        rates[width] = tokens[width] / cost if cost > 0 else math.inf
+    best = max(rates, key=lambda w: (rates[w], -w))
+    return WidthChoice(best, tokens[best], rates)

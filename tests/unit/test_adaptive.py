@@ -1,0 +1,88 @@
+"""The adaptive speculation policy on synthetic acceptance and cost models (plain Python)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dflash2.adaptive import AcceptanceEstimate, CostModel, choose_width, expected_tokens
+
+
+def test_expected_tokens_is_one_plus_the_survival_sums():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+    assert expected_tokens([0.9], 4) == pytest.approx(1.9)  # positions never estimated count as rejected
+
+
+def test_acceptance_estimate_observes_the_accepted_prefix_and_the_first_rejection():
+    estimate = AcceptanceEstimate([0.5, 0.5, 0.5, 0.5], alpha=0.5)
+    estimate.observe(num_drafts=4, num_accepted=1)  # draft 1 accepted, draft 2 rejected, 3-4 unseen
+    assert estimate.values == [0.75, 0.25, 0.5, 0.5]
+    estimate.observe(num_drafts=2, num_accepted=2)  # both drafted positions accepted, nothing rejected
+    assert estimate.values == [0.875, 0.625, 0.5, 0.5]
+    estimate.observe(num_drafts=0, num_accepted=0)  # an autoregressive step observes nothing
+    assert estimate.values == [0.875, 0.625, 0.5, 0.5]
+
+
+def test_relax_moves_an_estimate_back_toward_the_engine_wide_one():
+    estimate = AcceptanceEstimate([0.0, 0.2])
+    estimate.relax([0.5, 0.4], rate=0.5)
+    assert estimate.values == pytest.approx([0.25, 0.3])
+
+
+def test_cost_model_interpolates_between_measured_row_counts_and_learns():
+    model = CostModel(max_rows=8, widths=(1, 4))
+    model.seed({(1, 1): 0.010, (4, 1): 0.040, (1, 4): 0.020, (4, 4): 0.080}, {1: 0.005, 4: 0.008})
+    assert model.verify[(2, 1)] == pytest.approx(0.020)
+    assert model.verify[(8, 4)] == pytest.approx(0.160)  # proportional beyond the last measurement
+    assert model.seconds(2, 4) == pytest.approx(0.040 + 0.006)
+    assert model.seconds(2, 1) == pytest.approx(0.020)  # no drafter forward at width 1
+    assert math.isinf(model.seconds(2, 3))
+    model.observe(2, 4, verify_seconds=0.140, draft_seconds=0.006)
+    assert model.verify[(2, 4)] == pytest.approx(0.040 + 0.1 * 0.100)
+
+
+def linear_cost(per_token: float, fixed: float, draft: float):
+    """A compute-bound target: verify time grows with rows × width."""
+    return lambda rows, width: fixed + per_token * rows * width + (draft * rows if width > 1 else 0.0)
+
+
+GOOD = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+POOR = [0.3, 0.1, 0.05, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_one_row_with_good_acceptance_on_a_launch_bound_machine_takes_the_full_block():
+    choice = choose_width([GOOD], [7], range(1, 9), lambda rows, width: 0.020 + 0.0001 * width)
+    assert choice.width == 8
+    assert choice.predicted_tokens == pytest.approx(expected_tokens(GOOD, 7))
+
+
+def test_a_full_compute_bound_batch_with_poor_acceptance_stops_drafting():
+    choice = choose_width([POOR] * 8, [7] * 8, range(1, 9), linear_cost(0.002, 0.005, 0.001))
+    assert choice.width == 1 and choice.predicted_tokens == 8.0
+
+
+def test_the_width_is_the_rate_maximiser_between_the_extremes():
+    """By hand: 4 rows, acceptance GOOD (E = 1, 1.9, 2.62, 3.124 … tokens per row), a step of 5 ms + 1 ms
+    per verified token + 0.5 ms per drafted row: W=1 4/9 = 0.444, W=2 7.6/15 = 0.507, W=3 10.48/19 = 0.552,
+    W=4 12.50/23 = 0.543 tokens/ms: W = 3."""
+    choice = choose_width([GOOD] * 4, [7] * 4, range(1, 9), linear_cost(0.001, 0.005, 0.0005))
+    assert choice.width == 3
+    assert choice.predicted_tokens == pytest.approx(10.48)
+    assert choice.rates[3] == pytest.approx(10.48 / 0.019) and choice.rates[4] == pytest.approx(12.496 / 0.023)
+
+
+def test_rows_near_their_limits_make_wide_blocks_pointless():
+    cost = linear_cost(0.001, 0.005, 0.0005)
+    assert choose_width([GOOD] * 4, [1] * 4, range(1, 9), cost).width == 2
+
+
+def test_min_width_keeps_the_full_block():
+    choice = choose_width([POOR] * 8, [7] * 8, range(1, 9), linear_cost(0.002, 0.005, 0.001), min_width=8)
+    assert choice.width == 8
+
+
+def test_nothing_measured_means_the_full_block():
+    assert choose_width([POOR], [7], (1, 8), lambda rows, width: math.inf).width == 8
