@@ -792,7 +792,10 @@ class ResponsesServing:
         try:
             generation, plan = await self.serving.start_chat(chat)
         except APIError as exc:
-            exc.param = conversion.param(exc.param)
+            chat_param, exc.param = exc.param, conversion.param(exc.param)
+            if chat_param and exc.param and exc.message.startswith(chat_param):  # the message names it too
+                exc.message = exc.param + exc.message[len(chat_param) :]
+                exc.args = (exc.message,)
             raise
         try:
             response = self._new_response(request, chat, generation)
@@ -848,7 +851,7 @@ class ResponsesServing:
         try:
             for event in stream.start():
                 yield event
-            streamer = plan.parser.streamer() if plan.parser else None
+            streamer = plan.streamer()
             async for _, output in generation.outputs():
                 text, calls = visible_text(output), list[ParsedToolCall]()
                 if streamer is not None:

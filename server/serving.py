@@ -528,7 +528,7 @@ class OpenAIServing:
                 **extras,
             ).model_dump_json()
 
-        streamers = [plan.parser.streamer() if plan.parser else None for _ in range(request.n)]
+        streamers = [plan.streamer() for _ in range(request.n)]
         num_calls = [0] * request.n
 
         def call_deltas(i: int, calls: list[ParsedToolCall]) -> Iterator[str]:

@@ -33,7 +33,7 @@ from dflash2.grammar import (
 )
 from server.errors import InvalidRequestError
 from server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat
-from server.tool_parsers import FunctionTool, ParsedToolCall, ToolParser
+from server.tool_parsers import FunctionTool, ParsedToolCall, ToolCallStreamer, ToolParser
 
 
 def new_tool_call_id() -> str:
@@ -65,12 +65,15 @@ class ToolPlan:
         parser: reads calls back from the output; None when ``tool_choice`` is ``none`` or no tools.
         grammar: the llguidance grammar for the engine, or None (unconstrained).
         checks: ``(field, schema)`` pairs to compile before submission, so errors name the field.
+        calls_only: ``required`` or a named tool: the grammar allows nothing but calls, so a reply cut
+            by ``max_tokens`` in the middle of a call has no content, only its complete calls.
     """
 
     tools: list[FunctionTool] = field(default_factory=list)
     parser: ToolParser | None = None
     grammar: str | None = None
     checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    calls_only: bool = False
 
     @classmethod
     def for_request(cls, request: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
@@ -98,6 +101,7 @@ class ToolPlan:
             plan.grammar = _json_grammar(answer, "response_format.json_schema.schema") if answer else None
             return plan
         plan.parser = parser
+        plan.calls_only = choice == "required" or isinstance(choice, NamedToolChoice)
         try:
             if isinstance(choice, NamedToolChoice):
                 forced = [t for t in tools if t.name == choice.function.name]
@@ -155,7 +159,29 @@ class ToolPlan:
         """Content and tool calls of one choice's output (no calls when tools are not parsed)."""
         if self.parser is None:
             return text, []
-        return self.parser.parse(text)
+        content, calls = self.parser.parse(text)
+        return (None if self.calls_only else content), calls
+
+    def streamer(self) -> ToolCallStreamer | None:
+        """An incremental parser for one streamed choice (None when tools are not parsed)."""
+        if self.parser is None:
+            return None
+        return _CallsOnly(self.parser.streamer()) if self.calls_only else self.parser.streamer()
+
+
+class _CallsOnly(ToolCallStreamer):
+    """A streamer whose content is dropped: under a calls-only grammar, text outside complete calls
+    can only be a call cut short by ``max_tokens``."""
+
+    def __init__(self, inner: ToolCallStreamer) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        return "", self.inner.feed(text)[1]
+
+    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
+        return "", self.inner.finish()[1]
 
 
 def with_tool_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:

@@ -204,7 +204,9 @@ class BenchConfig:
         self, block_size: int, use_selector: bool, max_num_seqs: int = 1, enforce_eager: bool | None = None
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
-        run's engine config says unless ``enforce_eager`` is given)."""
+        run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
+        blocks (their rows are named by B); the serving benchmark's speculative server runs the
+        adaptive policy unless the run says ``--no-speculative-adaptive``."""
         e = self.engine
         return EngineConfig(
             model=e.model,
@@ -218,4 +220,5 @@ class BenchConfig:
             seed=e.seed,
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
+            speculative_adaptive=False,
         )

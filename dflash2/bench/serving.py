@@ -106,6 +106,8 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
         command.append("--no-selector")
     if e.enforce_eager:
         command.append("--enforce-eager")
+    if not e.speculative_adaptive:
+        command.append("--no-speculative-adaptive")
     return command
 
 

@@ -138,7 +138,12 @@ def acceptance(
 ) -> AcceptanceResult:
     """Decode ``prompts`` with the drafter and collect acceptance statistics."""
     config = EngineConfig(
-        block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=1536, use_selector=use_selector, seed=0
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=1536,
+        use_selector=use_selector,
+        seed=0,
+        speculative_adaptive=False,  # the drafter's acceptance over full blocks, whatever the machine
     )
     engine = Engine(config, target, tokenizer, drafter, eos_token_ids)
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]

@@ -30,6 +30,7 @@ def bench_run(tiny_folders: TinyFolders, tmp_path_factory: pytest.TempPathFactor
             device="cpu",
             dtype="float32",
             enforce_eager=True,
+            speculative_adaptive=False,  # full blocks, so acceptance shows up in the serving numbers
         )
     )
     argv = ["bench", "--model", str(tiny_folders.model), "--drafter", str(tiny_folders.drafter), "--threads", "1"]

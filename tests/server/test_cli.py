@@ -62,8 +62,10 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "server.log").open("w")
+    # Eager: compiling would add a minute or two to start-up and nothing to draining (tests/integration
+    # /test_compiled.py covers the compiled forwards).
     command = [sys.executable, "-m", "server", "--port", str(port), "--max-num-seqs", "2", "--max-model-len", "256",
-               "--threads", "1", "--drain-timeout", "60"]  # fmt: skip
+               "--threads", "1", "--drain-timeout", "60", "--enforce-eager"]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )

@@ -210,3 +210,31 @@ def test_retrieve_model(client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+def test_a_forced_call_cut_by_max_tokens_leaves_no_content(client):
+    """Parallel calls are allowed, so the model repeats its call until max_tokens cuts one short: the
+    reply keeps its complete calls and ``length``, and the cut text is not content."""
+    response = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)
+    choice = response.choices[0]
+    assert choice.message.content is None
+    assert choice.message.tool_calls
+    stream = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0, stream=True)
+    contents = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert contents == []
+
+
+def test_responses_errors_name_the_responses_field_in_param_and_message(real_server):
+    import httpx
+
+    bad = {"type": "object", "properties": {"a": {"type": "frob"}}}
+    cases = [
+        ({"text": {"format": {"type": "json_schema", "name": "a", "schema": bad}}}, "text.format.schema"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": bad}], "tool_choice": "required"},
+         "tools[0].parameters"),
+    ]  # fmt: skip
+    for fields, param in cases:
+        response = httpx.post(f"{real_server.url}/v1/responses", json={"input": "hi", **fields}, timeout=60)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(param), error
