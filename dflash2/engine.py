@@ -46,6 +46,11 @@ from dflash2.verify import rejection_accept
 logger = logging.getLogger(__name__)
 
 
+# Pending drafter context is written once a request holds this many positions of it, so a request that
+# decodes without drafts for long keeps little memory and a later draft step little work.
+MAX_PENDING_CONTEXT = 64
+
+
 class ContextLengthExceededError(ValueError):
     """prompt tokens + max_tokens exceed ``max_model_len``."""
 
@@ -381,9 +386,12 @@ class Engine:
     def _choose_slot(self, request: Request, free_slots: list[int]) -> int:
         """Admission: the slot for ``request`` and the cached part of its prompt (copied here when it
         lives in another slot); ``request.num_cached`` is set to it."""
-        busy = {r.slot: _committed_tokens(r) for r in self.scheduler.running if r.slot is not None}
+        running = {r.slot: r for r in self.scheduler.running if r.slot is not None}
+        busy = {slot: _committed_tokens(r) for slot, r in running.items()}
         match = self.prefix_cache.choose(request.prompt_ids, free_slots, busy)
         if match.source is not None:
+            if match.source in running:  # its drafter context must be complete before it is copied
+                self._write_context([running[match.source]])
             self.runner.copy_prefix(match.source, match.slot, match.num_cached)
         else:
             self.runner.rollback(match.slot, match.num_cached)
@@ -398,9 +406,24 @@ class Engine:
             if request.finish_reason is FinishReason.ABORT:
                 self.prefix_cache.clear(request.slot)
             else:
+                if self.prefix_cache.enabled:
+                    self._write_context([request])
                 self.prefix_cache.record(request.slot, _committed_tokens(request))
             self.runner.free(request.slot)
+        request.pending_context.clear()
         self.scheduler.remove(request)
+
+    def _write_context(self, requests: Sequence[Request]) -> None:
+        """Write the drafter context still pending for ``requests`` (one batched call)."""
+        pending = [r for r in requests if r.pending_context and r.slot is not None]
+        if not pending or self.drafter is None:
+            return
+        segments = [torch.cat([f for _, f in r.pending_context]) for r in pending]
+        features = torch.nn.utils.rnn.pad_sequence(segments, batch_first=True)
+        starts = [r.pending_context[0][0] for r in pending]
+        self.runner.append_context([self._slot(r) for r in pending], starts, features, [len(f) for f in segments])
+        for request in pending:
+            request.pending_context.clear()
 
     # ---- per-request failure isolation ----------------------------------------------------------
 
@@ -488,6 +511,7 @@ class Engine:
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
         if self.is_speculative and width > 1:
+            self._write_context(rows)
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)
@@ -605,15 +629,14 @@ class Engine:
                 else:
                     request.acceptance.relax(self.acceptance.values)
             outputs.append(self._output(request, committed, text, logprobs))  # cumulative counts include this step
-        live = [i for i, r in enumerate(rows) if not r.is_finished]
-        if self.is_speculative and verified.features is not None and live:
-            # The anchor's and accepted drafts' features become drafter context (spec §5.4).
-            self.runner.append_context(
-                [verified.slots[i] for i in live],
-                [verified.starts[i] for i in live],
-                verified.features[torch.tensor(live, device=self.device)],
-                [verified.num_accepted[i] + 1 for i in live],
-            )
+        if self.is_speculative and verified.features is not None:
+            # The anchor's and accepted drafts' features become drafter context (spec §5.4), written
+            # when the row drafts next (a step without drafts needs none) or when it ends.
+            for i, request in enumerate(rows):
+                if request.finish_reason is not FinishReason.ABORT:
+                    features = verified.features[i, : verified.num_accepted[i] + 1].clone()
+                    request.pending_context.append((verified.starts[i], features))
+            self._write_context([r for r in rows if sum(len(f) for _, f in r.pending_context) >= MAX_PENDING_CONTEXT])
         return outputs
 
     @staticmethod

@@ -62,6 +62,9 @@ class Request:
     detokenizer: Any
     matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
     acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
+    # Committed tokens' target features not yet written as drafter context: (first position, [n, F·H]).
+    # Written just before the request drafts again (or when it ends), so steps without drafts skip it.
+    pending_context: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
