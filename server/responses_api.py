@@ -28,14 +28,22 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from server.errors import APIError, InvalidRequestError, describe_validation_error, error_body, error_kind
-from server.protocol import MAX_TOOLS, NAME_PATTERN, ChatCompletionRequest, NamedToolChoice, StrictModel, UsageInfo
+from server.protocol import (
+    MAX_TOOLS,
+    NAME_PATTERN,
+    ChatCompletionRequest,
+    FunctionDefinition,
+    NamedToolChoice,
+    StrictModel,
+    UsageInfo,
+)
 from server.serving import SSE_PING_SECONDS, Generation, OpenAIServing, usage_info, visible_text
 from server.tool_calling import ToolPlan, new_tool_call_id
 from server.tool_parsers import ParsedToolCall
@@ -149,21 +157,11 @@ _ITEM_TYPES: dict[str, type[BaseModel]] = {
 }
 
 
-class FunctionToolParam(StrictModel):
-    """A function tool, flat (``{"type": "function", "name", "parameters", …}``); the only tool type served."""
+class FunctionToolParam(FunctionDefinition):
+    """A function tool, flat (``{"type": "function", "name", "parameters", …}``); the only tool type served.
+    The fields and checks are chat's ``tools[i].function`` (``FunctionDefinition``)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError("the parameters schema must describe an object (type: object)")
-        return value
 
 
 class FunctionToolChoice(StrictModel):
