@@ -53,8 +53,16 @@ def _bf16_models(seed: int):
 
 
 def _decode(target, drafter, block_size: int) -> list[list[int]]:
+    # Full blocks: adaptive widths follow measured timings, and in bfloat16 a different block width can
+    # break a near-tie differently, so the two runs would not be comparable.
     config = EngineConfig(
-        block_size=block_size, max_num_seqs=4, max_model_len=128, device="cpu", dtype="bfloat16", enforce_eager=True
+        block_size=block_size,
+        max_num_seqs=4,
+        max_model_len=128,
+        device="cpu",
+        dtype="bfloat16",
+        enforce_eager=True,
+        speculative_adaptive=False,
     )
     llm = LLM.from_engine(Engine(config, target, None, drafter if block_size > 1 else None))
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
