@@ -387,7 +387,8 @@ class Engine:
         """Admission: the slot for ``request`` and the cached part of its prompt (copied here when it
         lives in another slot); ``request.num_cached`` is set to it."""
         running = {r.slot: r for r in self.scheduler.running if r.slot is not None}
-        busy = {slot: _committed_tokens(r) for slot, r in running.items()}
+        # Copy sources only matter with the cache on: no token lists are built on every admission otherwise.
+        busy = {slot: _committed_tokens(r) for slot, r in running.items()} if self.prefix_cache.enabled else {}
         match = self.prefix_cache.choose(request.prompt_ids, free_slots, busy)
         if match.source is not None:
             if match.source in running:  # its drafter context must be complete before it is copied
@@ -408,7 +409,7 @@ class Engine:
             else:
                 if self.prefix_cache.enabled:
                     self._write_context([request])
-                self.prefix_cache.record(request.slot, _committed_tokens(request))
+                    self.prefix_cache.record(request.slot, _committed_tokens(request))
             self.runner.free(request.slot)
         request.pending_context.clear()
         self.scheduler.remove(request)
