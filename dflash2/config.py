@@ -40,6 +40,10 @@ class EngineConfig:
         speculative_adaptive: choose each step's verify width (drafts per row, 0 … B−1) from live
             acceptance and the measured step cost (``dflash2/adaptive.py``); False: always the
             full block.
+        deterministic: batch-invariant forwards (``dflash2.models.layers.batch_invariant``): a
+            seeded request gives the same text alone or in any batch, and greedy speculative
+            output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
+            oneDNN only; every forward runs eagerly (docs/engine.md, "Deterministic mode").
     """
 
     model: str | None = None
@@ -55,6 +59,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     speculative_adaptive: bool = True
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:

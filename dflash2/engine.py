@@ -27,6 +27,7 @@ from dflash2.config import EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
+from dflash2.models.layers import batch_invariant
 from dflash2.prefix_cache import PrefixCache
 from dflash2.request import (
     FinishReason,
@@ -109,6 +110,7 @@ class Engine:
             self.max_model_len,
             self.block_size,
             enforce_eager=config.enforce_eager,
+            deterministic=config.deterministic,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
@@ -337,6 +339,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One engine iteration: schedule → prefill → draft → select → verify → commit → emit."""
+        with batch_invariant(self.config.deterministic):
+            return self._step()
+
+    def _step(self) -> StepResult:
         start = time.perf_counter()
         stats = StepStats(block_size=self.block_size)
         outputs = self._drain_inbox()

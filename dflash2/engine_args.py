@@ -39,8 +39,17 @@ UNUSED_ENGINE_FLAGS = {
         "enforce_eager",
         "enable_prefix_caching",
         "speculative_adaptive",
+        "deterministic",
     ),
-    "eval": ("block_size", "max_model_len", "seed", "enforce_eager", "enable_prefix_caching", "speculative_adaptive"),
+    "eval": (
+        "block_size",
+        "max_model_len",
+        "seed",
+        "enforce_eager",
+        "enable_prefix_caching",
+        "speculative_adaptive",
+        "deterministic",
+    ),
 }
 
 
@@ -106,6 +115,15 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         default=_DEFAULTS.speculative_adaptive,
         help="choose each step's drafts per row from live acceptance and the measured step cost "
         "(--no-speculative-adaptive: always the full block; default: on)",
+    )
+    g.add_argument(
+        "--deterministic",
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action="store_true",
+        default=_DEFAULTS.deterministic,
+        help="batch-invariant forwards: a seeded request gives the same text alone or in any batch, and greedy "
+        "speculative output equals greedy autoregressive output, in bfloat16 too (CPU, eager; costs speed)",
     )
     g.add_argument(
         "--enable-prefix-caching",

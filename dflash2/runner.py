@@ -47,7 +47,7 @@ from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.layers import apply_rope, attention, can_prepack, softcap
-from dflash2.models.llama import TargetModel
+from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 
 logger = logging.getLogger(__name__)
 
@@ -305,6 +305,12 @@ class ModelRunner:
         max_model_len: positions per slot.
         block_size: tokens per verify forward (1 = autoregressive).
         enforce_eager: never compile.
+        deterministic: the engine runs its steps batch-invariant
+            (:func:`dflash2.models.layers.batch_invariant`); forwards then run eagerly, because the
+            compiled graphs fuse and reorder the very reductions that mode fixes.
+
+    Raises:
+        ValueError: ``deterministic`` where it cannot hold (see :func:`check_deterministic`).
     """
 
     def __init__(
@@ -315,11 +321,17 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         enforce_eager: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
         self.dtype = embed_weight.dtype
+        if deterministic:
+            check_deterministic(target, self.device, self.dtype)
+            if not enforce_eager:
+                logger.info("deterministic mode: every forward runs eagerly (batch-invariant kernels)")
+            enforce_eager = True
         self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
         self.scratch_slot = num_slots
         speculative = drafter is not None and block_size > 1
@@ -639,6 +651,25 @@ class ModelRunner:
     def kv_cache_usage(self) -> float:
         """Fraction (0–1) of target KV positions holding committed tokens (scratch slot excluded)."""
         return sum(self.target_cache.lengths[: self.num_slots]) / (self.num_slots * self.max_model_len)
+
+
+def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless batch-invariant forwards are available for this target, device
+    and dtype: the project's own decoder (not the transformers fallback), on a CPU where oneDNN
+    runs bfloat16 (its GEMM is the row-invariant kernel the mode relies on; float32 matrix
+    products go through MKL, whose summation order depends on the row count)."""
+    if device.type != "cpu":
+        raise ValueError(f"--deterministic runs on CPU only for now, not on {device.type}")
+    if not can_prepack(device, dtype):
+        raise ValueError(
+            f"--deterministic needs --dtype bfloat16 on a CPU where oneDNN runs bfloat16 (AVX512 or AMX); "
+            f"this engine runs {str(dtype).removeprefix('torch.')}"
+        )
+    if not isinstance(target, TargetModel):
+        raise ValueError(
+            f"--deterministic needs a target the project decodes itself ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+            f"not the {type(target).__name__} fallback"
+        )
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash2.models.layers import batch_invariant_enabled
+
 
 @dataclass
 class Proposal:
@@ -79,6 +81,16 @@ def lattice_scores(
     Returns:
         ``[R, J, k_prev, k]`` float32 lattice; for slot 1 every predecessor row is the anchor.
     """
+    if batch_invariant_enabled() and hidden.shape[0] > 1:
+        # Float32 matrix products sum in an order that depends on the row count: one row at a time.
+        return torch.cat(
+            [
+                lattice_scores(
+                    hidden[r : r + 1], anchor_ids[r : r + 1], candidate_ids[r : r + 1], unary_scores[r : r + 1], weights
+                )
+                for r in range(hidden.shape[0])
+            ]
+        )
     prev_ids = torch.empty_like(candidate_ids)  # [R, J, k]
     prev_ids[:, 0] = anchor_ids[:, None]
     prev_ids[:, 1:] = candidate_ids[:, :-1]

@@ -221,4 +221,5 @@ class BenchConfig:
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
             speculative_adaptive=False,
+            deterministic=e.deterministic,
         )

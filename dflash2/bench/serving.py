@@ -108,6 +108,8 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
         command.append("--enforce-eager")
     if not e.speculative_adaptive:
         command.append("--no-speculative-adaptive")
+    if e.deterministic:
+        command.append("--deterministic")
     return command
 
 

@@ -6,11 +6,43 @@ nh / nkv query / key-value heads, d head dim.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within this block (on this thread), forwards compute every token's result independently of
+    the other tokens and rows in the same call: linear layers never run oneDNN's one-row kernel
+    (:class:`PackedLinear` pads a single row to two) and :func:`attention` runs
+    :func:`invariant_attention` instead of the fused SDPA kernel.
+
+    Measured on CPU in bfloat16 (``tests/unit/test_batch_invariance.py``): oneDNN's GEMM gives
+    each row the same bits for any row count ≥ 2 and at any row offset, while its one-row
+    (GEMV) kernel sums in another order; the fused SDPA kernel's result depends on how many
+    queries share a call and on the key length. This is the engine's deterministic mode
+    (``EngineConfig.deterministic``); peers: vLLM's batch-invariant mode and SGLang's
+    deterministic inference, which replace the same kernels on GPUs.
+    """
+    previous = getattr(_local, "enabled", False)
+    _local.enabled = enabled
+    try:
+        yield
+    finally:
+        _local.enabled = previous
+
+
+def batch_invariant_enabled() -> bool:
+    """True inside :func:`batch_invariant` on this thread."""
+    return bool(getattr(_local, "enabled", False))
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +99,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` bfloat16 → ``[..., out]``."""
+        if x.numel() == self.in_features and batch_invariant_enabled():
+            # One row would take oneDNN's matrix-vector kernel, which sums in another order than
+            # the matrix kernel every larger call uses; a copy of the row keeps the bits equal.
+            flat = x.reshape(1, self.in_features).expand(2, -1)
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed_weight, self.bias, "none", [], "")
+            return out[:1].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
 
 
@@ -173,6 +211,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Returns:
         ``[R, L, nh·d]``.
     """
+    if batch_invariant_enabled():
+        return invariant_attention(q, k, v, mask)
     num_rows, num_heads, num_queries, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -190,6 +230,57 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         # (repeat_interleave made decode at batch 32 ~15x slower on CPU).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
     return out.transpose(1, 2).reshape(num_rows, num_queries, num_heads * head_dim)
+
+
+# Float32 scores per invariant_attention call, at most (bounds a long prefill's memory).
+INVARIANT_SCORES_BUDGET = 1 << 24
+# invariant_attention pads each softmax row to a multiple of this many keys.
+INVARIANT_KEY_ALIGN = 64
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked grouped-query attention whose result for each query depends only on that query, its
+    mask row and the keys: not on the other queries or rows in the call, nor on how many masked
+    keys follow (batch-invariant; see :func:`batch_invariant`).
+
+    Written out as two matrix products in the inputs' dtype with a float32 masked softmax between
+    them, so every reduction runs in oneDNN's GEMM (the same bits for any row count ≥ 2 and any row
+    offset, and for any number of trailing zero terms) or along one softmax row padded to a multiple
+    of ``INVARIANT_KEY_ALIGN`` keys; masked keys contribute exact zeros (``exp`` underflows).
+    Queries are processed in chunks of at most ``INVARIANT_SCORES_BUDGET`` scores, which changes no
+    result.
+
+    Args:
+        q: ``[R, nh, L, d]``; k, v: ``[R, nkv, T, d]``; mask: ``[R, 1, L, T]`` bool, True = visible.
+
+    Returns:
+        ``[R, L, nh·d]``.
+    """
+    num_rows, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    # [R, nkv, g·L, d]: query head h uses K/V head h // g; its mask row is the query's.
+    folded = q.reshape(num_rows, num_kv_heads, group * num_queries, head_dim)
+    folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+    keys_t = k.transpose(-1, -2)
+    scale = head_dim**-0.5
+    # The softmax sums a row in vector lanes and a scalar tail, so how many keys follow changes the
+    # order of the sum: rows are padded to a multiple of 64 (masked, exact zeros). The products
+    # with V are unaffected by trailing zeros.
+    padded_keys = -(-num_keys // INVARIANT_KEY_ALIGN) * INVARIANT_KEY_ALIGN
+    chunk = max(1, INVARIANT_SCORES_BUDGET // max(1, num_rows * num_kv_heads * num_keys))
+    outs = []
+    for begin in range(0, group * num_queries, chunk):
+        scores = torch.matmul(folded[:, :, begin : begin + chunk], keys_t).float() * scale
+        # The lowest finite value, not -inf: a query with no visible key (padding) stays finite.
+        lowest = torch.finfo(torch.float32).min
+        scores = scores.masked_fill(~folded_mask[:, :, begin : begin + chunk], lowest)
+        if padded_keys != num_keys:
+            scores = F.pad(scores, (0, padded_keys - num_keys), value=lowest)
+        probs = torch.softmax(scores, dim=-1)[..., :num_keys].to(v.dtype)
+        outs.append(torch.matmul(probs, v))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.view(num_rows, num_heads, num_queries, head_dim).transpose(1, 2).reshape(num_rows, num_queries, -1)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
