@@ -30,8 +30,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
+from sse_starlette.sse import ServerSentEvent
 from starlette.responses import Response
 
 from server.errors import APIError, InvalidRequestError, describe_validation_error, error_body, error_kind
@@ -44,7 +43,7 @@ from server.protocol import (
     StrictModel,
     UsageInfo,
 )
-from server.serving import SSE_PING_SECONDS, Generation, OpenAIServing, usage_info, visible_text
+from server.serving import Generation, OpenAIServing, usage_info, visible_text
 from server.tool_calling import ToolPlan, new_tool_call_id
 from server.tool_parsers import ParsedToolCall
 
@@ -801,12 +800,7 @@ class ResponsesServing:
             generation.close()
             raise
         if request.stream:
-            return EventSourceResponse(
-                self._events(ResponseStream(response), generation, plan),
-                sep="\n",
-                ping=SSE_PING_SECONDS,
-                background=BackgroundTask(generation.close),
-            )
+            return self.serving.event_stream(self._events(ResponseStream(response), generation, plan), generation)
         (state,) = await generation.collect()
         content, calls = plan.parse(state.text)
         incomplete = state.finish_reason == "length"

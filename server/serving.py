@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import jinja2.exceptions
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -261,9 +262,15 @@ class OpenAIServing:
     """
 
     def __init__(
-        self, client: EngineClient, model: ModelInfo, admission: Admission, tool_call_parser: str = "hermes"
+        self,
+        client: EngineClient,
+        model: ModelInfo,
+        admission: Admission,
+        tool_call_parser: str = "hermes",
+        stream_send_timeout: float = 0.0,
     ) -> None:
         self.client = client
+        self.stream_send_timeout = stream_send_timeout
         self.model = model
         self.admission = admission
         self.tool_parser = get_tool_parser(tool_call_parser)
@@ -284,7 +291,7 @@ class OpenAIServing:
         """``POST /v1/chat/completions`` (tools and ``response_format`` through ``ToolPlan``)."""
         generation, plan = await self.start_chat(request)
         if request.stream:
-            return self._event_stream(self._chat_chunks(request, generation, plan), generation)
+            return self.event_stream(self._chat_chunks(request, generation, plan), generation)
         states = await generation.collect()
         return JSONResponse(self._chat_response(request, generation, states, plan).model_dump())
 
@@ -310,7 +317,7 @@ class OpenAIServing:
             generation.close()
             raise
         if request.stream:
-            return self._event_stream(self._completion_chunks(request, generation, echo), generation)
+            return self.event_stream(self._completion_chunks(request, generation, echo), generation)
         states = await generation.collect()
         return JSONResponse(self._completion_response(request, generation, states, echo).model_dump())
 
@@ -430,7 +437,7 @@ class OpenAIServing:
                 **extra,
             )
         except Exception as exc:  # the template is user-driven input: its failures are request errors
-            raise InvalidRequestError(f"the chat template could not render these messages: {exc}", "messages") from exc
+            raise InvalidRequestError(template_error_message(exc), "messages") from exc
         return [int(t) for t in ids]
 
     def _completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -512,9 +519,17 @@ class OpenAIServing:
 
     # ---- streams -------------------------------------------------------------------------------
 
-    def _event_stream(self, chunks: AsyncIterator[str], generation: Generation) -> EventSourceResponse:
-        # The background task also closes a stream whose generator never started (client gone at once).
-        return EventSourceResponse(chunks, sep="\n", ping=SSE_PING_SECONDS, background=BackgroundTask(generation.close))
+    def event_stream(self, chunks: AsyncIterator[Any], generation: Generation) -> EventSourceResponse:
+        """The SSE response for a generation's events. An event that waits longer than
+        ``stream_send_timeout`` for the client ends the stream, and closing the stream aborts the
+        generation; the background task also closes a stream whose generator never started."""
+        return EventSourceResponse(
+            chunks,
+            sep="\n",
+            ping=SSE_PING_SECONDS,
+            send_timeout=self.stream_send_timeout or None,
+            background=BackgroundTask(generation.close),
+        )
 
     async def _chat_chunks(
         self, request: ChatCompletionRequest, generation: Generation, plan: ToolPlan
@@ -655,6 +670,29 @@ async def _framed(body: AsyncIterator[str], generation: Generation) -> AsyncIter
     finally:
         generation.close()
     yield "[DONE]"
+
+
+# Longest template-written message passed on to the client.
+MAX_TEMPLATE_MESSAGE = 300
+
+
+def template_error_message(exc: BaseException) -> str:
+    """The 400 message for a chat template that failed on a request's messages.
+
+    A template's own ``raise_exception('…')`` (a plain ``jinja2.TemplateError``) is a message its
+    author wrote for users, so it is passed on, with control characters and lone surrogates escaped
+    and at most ``MAX_TEMPLATE_MESSAGE`` characters. Anything else (an undefined attribute, a type
+    error inside the template or the tokenizer) is internal text: the client gets the error's kind,
+    the log gets the rest.
+    """
+    prefix = "the chat template could not render these messages"
+    if type(exc) is jinja2.exceptions.TemplateError and exc.message:
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in exc.message)
+        if len(text) > MAX_TEMPLATE_MESSAGE:
+            text = text[:MAX_TEMPLATE_MESSAGE] + " …"
+        return f"{prefix}: {text}"
+    logger.info("chat template failed: %r", exc)
+    return f"{prefix} ({type(exc).__name__}); check the roles and content of the messages"
 
 
 def _convert_param_errors(work: Callable[[], T]) -> T:

@@ -31,6 +31,9 @@ class ServerSettings:
         max_body_bytes: request bodies larger than this get 413.
         metrics_compat: ``"vllm"`` also exports the vLLM metric names and labels; None = ours only.
         drain_timeout: seconds that requests in flight get to finish after SIGTERM.
+        stream_send_timeout: seconds one server-sent event may wait for a client that stopped
+            reading before the stream is ended and its request aborted (frees its concurrency
+            slot and KV slot); 0 = wait forever.
         tool_call_parser: the format tool calls are prompted in, parsed from and constrained to.
         engine: the engine configuration.
     """
@@ -43,6 +46,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     metrics_compat: str | None = None
     drain_timeout: float = 30.0
+    stream_send_timeout: float = 60.0
     tool_call_parser: str = "hermes"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -57,6 +61,8 @@ class ServerSettings:
             raise ValueError(f"metrics_compat must be one of {', '.join(METRICS_COMPAT_CHOICES)}")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be non-negative")
+        if self.stream_send_timeout < 0:
+            raise ValueError("stream_send_timeout must be non-negative")
         if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
         if self.api_key == "":
@@ -97,6 +103,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds requests in flight get to finish after SIGTERM",
     )
     g.add_argument(
+        "--stream-send-timeout",
+        type=float,
+        default=_DEFAULTS.stream_send_timeout,
+        help="seconds a streamed event may wait for a client that stopped reading before the stream ends and its "
+        "request is aborted (0: wait forever; default: %(default)s)",
+    )
+    g.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSER_CHOICES,
         default=_DEFAULTS.tool_call_parser,
@@ -115,6 +128,7 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         max_body_bytes=args.max_body_bytes,
         metrics_compat=args.metrics_compat,
         drain_timeout=args.drain_timeout,
+        stream_send_timeout=args.stream_send_timeout,
         tool_call_parser=args.tool_call_parser,
         engine=engine,
     )

@@ -49,5 +49,7 @@ class ServerState:
             self.registry, model.name, engine.block_size, self.settings.metrics_compat, model.max_model_len
         )
         self.client.observer = self.metrics
-        self.serving = OpenAIServing(self.client, model, self.admission, self.settings.tool_call_parser)
+        self.serving = OpenAIServing(
+            self.client, model, self.admission, self.settings.tool_call_parser, self.settings.stream_send_timeout
+        )
         logger.info("serving %s (block size %d, max_model_len %d)", model.name, engine.block_size, model.max_model_len)

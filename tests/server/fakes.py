@@ -12,6 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import jinja2.exceptions
+
 from dflash2.engine import ContextLengthExceededError
 from dflash2.request import RequestOutput, StepResult, StepStats, TokenLogprob
 from dflash2.sampling import SamplingParams, check_token_ids
@@ -31,8 +33,10 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs):
-        if kwargs.get("explode"):
-            raise ValueError("template exploded")
+        if kwargs.get("explode") == "raise_exception":  # what a template's raise_exception('…') raises
+            raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant")
+        if kwargs.get("explode"):  # internal text: a path and a repr the client must not see
+            raise jinja2.exceptions.UndefinedError("'dict object' has no attribute 'content' (/srv/x/template.jinja)")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 

@@ -8,10 +8,12 @@ import threading
 from typing import Any
 
 import httpx
+import jinja2.exceptions
 import pytest
 
 from server.app import create_app
 from server.engine_client import EngineClient
+from server.serving import template_error_message
 from server.settings import ServerSettings
 from tests.live_server import ServerThread
 from tests.server.conftest import asgi_client, wait_for
@@ -238,11 +240,22 @@ async def test_template_variables_the_template_reads_are_accepted():
         assert_error(tokenized, 400, param="chat_template_kwargs")
 
 
-async def test_chat_template_failure_is_400():
+async def test_chat_template_failure_is_400_with_only_the_template_authors_words():
     async with asgi_client() as (client, _):
-        response = await client.post(CHAT, json=chat_body(chat_template_kwargs={"explode": True}))
+        response = await client.post(CHAT, json=chat_body(chat_template_kwargs={"explode": "raise_exception"}))
         error = assert_error(response, 400, param="messages")
-        assert "exploded" in error["message"]
+        assert error["message"].endswith(": Conversation roles must alternate user/assistant")
+        response = await client.post(CHAT, json=chat_body(chat_template_kwargs={"explode": "internal"}))
+        error = assert_error(response, 400, param="messages")
+        assert "UndefinedError" in error["message"]
+        assert "dict object" not in error["message"] and "/srv" not in error["message"]
+
+
+def test_template_error_message_is_escaped_and_bounded():
+    long = jinja2.exceptions.TemplateError("\ud800 bad \x1b[31m" + "x" * 1000)
+    message = template_error_message(long)
+    assert all(c.isprintable() for c in message) and len(message) < 400 and message.endswith(" …")
+    assert "\\ud800 bad \\x1b[31m" in message
 
 
 async def test_unknown_route_and_method_use_the_envelope():
