@@ -41,7 +41,11 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
 
 
 def batch_invariant_enabled() -> bool:
-    """True inside :func:`batch_invariant` on this thread."""
+    """True inside :func:`batch_invariant` on this thread; always False while ``torch.compile``
+    traces (compiled graphs never run batch-invariant, and reading the thread-local state there
+    would guard every graph on it)."""
+    if torch.compiler.is_compiling():
+        return False
     return bool(getattr(_local, "enabled", False))
 
 

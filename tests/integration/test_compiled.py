@@ -6,6 +6,7 @@ Compilation takes seconds per graph, so each engine here is built once per modul
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -46,6 +47,25 @@ def test_compiled_speculative_greedy_equals_eager_autoregressive(compiled_spec, 
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference  # batch 4 (the rows ≥ 2 graph)
     assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]  # batch 1 (its own graph)
+
+
+def test_serving_never_recompiles(compiled_spec, reference):
+    """Every graph is built at start-up: batches of 4, 2 and 1 at every verify width, decoded on
+    another thread (as the server's engine thread does), add none."""
+    llm = LLM.from_engine(compiled_spec)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    outputs: list[list[list[int]]] = []
+
+    def decode() -> None:
+        outputs.append([c.token_ids for c in llm.generate(PROMPTS, GREEDY)])
+        outputs.append([c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)])
+        outputs.append([llm.generate(PROMPTS[3], GREEDY)[0].token_ids])
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    thread.join()
+    assert outputs == [reference, reference[:2], [reference[3]]]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_autoregressive_equals_eager(reference):
