@@ -256,7 +256,10 @@ class StaticDrafter(nn.Module):
             ctx_v = getattr(self, f"v_cache_{i}")[read_slots, :, :length]
             h = layer(h, cos, sin, ctx_k, ctx_v, mask[:, None])
         hidden = self.norm(h)[:, 1:]
-        logits = F.linear(hidden, self.head).float()
+        # A 2-D product: with a dynamic row count, a 3-D input became a bmm over a per-row copy of
+        # the whole head (51.6 against 5.6 ms eager for a 4-row block on 2 cores).
+        flat = hidden.reshape(num_rows * (self.block_size - 1), hidden.shape[-1])
+        logits = F.linear(flat, self.head).float().view(num_rows, self.block_size - 1, -1)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         return hidden, softcap(logits, c.final_logit_softcapping)
