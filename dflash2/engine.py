@@ -134,9 +134,9 @@ class Engine:
                 a message that says what to do.
         """
         from dflash2.models import loader, source
+        from dflash2.platform import configure_threads
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        configure_threads(config.num_threads)
         folder = source.resolve_model(config.model)
         device, dtype = config.torch_device, config.torch_dtype
         tokenizer = loader.load_tokenizer(folder)

@@ -51,3 +51,40 @@ def available_memory_bytes() -> int | None:
         except (OSError, ValueError):
             return None
     return available
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (``cpu.max``,
+    rounded up) when one is set, e.g. a Kubernetes CPU limit. At least 1.
+
+    torch's default thread count is the machine's core count, which ignores both: in a container
+    limited to 2 CPUs on a 64-core node it would start 64 threads and be throttled.
+    """
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op CPU threads: ``num_threads`` when given, else at most
+    :func:`available_cpus` (torch's own default counts every core of the machine).
+
+    Returns:
+        The thread count in effect.
+    """
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    elif torch.get_num_threads() > available_cpus():
+        torch.set_num_threads(available_cpus())
+    return torch.get_num_threads()

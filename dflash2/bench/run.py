@@ -55,10 +55,9 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Run what ``config`` selects, write results.json / results.md / plots into ``config.out``, return the results."""
-    import torch
+    from dflash2.platform import configure_threads
 
-    if config.engine.num_threads:
-        torch.set_num_threads(config.engine.num_threads)
+    configure_threads(config.engine.num_threads)
     log_dir = config.out / "logs"
     results: dict[str, Any] = {
         "command": config.command,
