@@ -53,7 +53,7 @@ def available_memory_bytes() -> int | None:
     return available
 
 
-def available_cpus() -> int:
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (``cpu.max``,
     rounded up) when one is set, e.g. a Kubernetes CPU limit. At least 1.
 
@@ -65,7 +65,7 @@ def available_cpus() -> int:
     except (AttributeError, OSError):
         count = os.cpu_count() or 1
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open(os.path.join(cgroup_root, "cpu.max")) as f:
             quota, period = f.read().split()[:2]
         if quota != "max":
             count = min(count, max(1, -(-int(quota) // int(period))))
