@@ -27,29 +27,12 @@ def default_log_level() -> str:
 
 # Engine flags a subcommand does not use, by destination name: they are not offered there, so a
 # mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
+# Flags only an engine that decodes requests reads (training and evaluation run no engine).
+_DECODING_FLAGS = ("seed", "enforce_eager", "enable_prefix_caching", "speculative_adaptive", "deterministic")
 UNUSED_ENGINE_FLAGS = {
     "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching", "speculative_adaptive"),
-    "train": (
-        "drafter",
-        "block_size",
-        "use_selector",
-        "max_num_seqs",
-        "max_model_len",
-        "seed",
-        "enforce_eager",
-        "enable_prefix_caching",
-        "speculative_adaptive",
-        "deterministic",
-    ),
-    "eval": (
-        "block_size",
-        "max_model_len",
-        "seed",
-        "enforce_eager",
-        "enable_prefix_caching",
-        "speculative_adaptive",
-        "deterministic",
-    ),
+    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
+    "eval": ("block_size", "max_model_len", *_DECODING_FLAGS),
 }
 
 

@@ -85,6 +85,8 @@ def configure_threads(num_threads: int | None) -> int:
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    elif torch.get_num_threads() > available_cpus():
-        torch.set_num_threads(available_cpus())
+    else:
+        usable = available_cpus()
+        if torch.get_num_threads() > usable:
+            torch.set_num_threads(usable)
     return torch.get_num_threads()

@@ -273,11 +273,11 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     # with V are unaffected by trailing zeros.
     padded_keys = -(-num_keys // INVARIANT_KEY_ALIGN) * INVARIANT_KEY_ALIGN
     chunk = max(1, INVARIANT_SCORES_BUDGET // max(1, num_rows * num_kv_heads * num_keys))
+    # The lowest finite value, not -inf: a query with no visible key (padding) stays finite.
+    lowest = torch.finfo(torch.float32).min
     outs = []
     for begin in range(0, group * num_queries, chunk):
         scores = torch.matmul(folded[:, :, begin : begin + chunk], keys_t).float() * scale
-        # The lowest finite value, not -inf: a query with no visible key (padding) stays finite.
-        lowest = torch.finfo(torch.float32).min
         scores = scores.masked_fill(~folded_mask[:, :, begin : begin + chunk], lowest)
         if padded_keys != num_keys:
             scores = F.pad(scores, (0, padded_keys - num_keys), value=lowest)
