@@ -31,7 +31,10 @@ class EngineConfig:
             fit in half of the free memory.
         device, dtype: where and in what precision weights and caches live.
         seed: seeds the per-request generators of requests that give no seed.
-        num_threads: torch intra-op threads on CPU (None = leave as is).
+        num_threads: torch intra-op threads on CPU (None = the CPUs this process may use).
+        adaptive_threads: on CPU, run with fewer threads while that is measurably faster (other
+            processes busy on the same cores; ``dflash2/threads.py``); ``num_threads`` is the most.
+            False: always ``num_threads``. Off in deterministic mode.
         enforce_eager: run every forward eagerly; by default the verify / decode forward and
             the drafter's block are compiled (inductor on CPU, CUDA graphs on CUDA) and fall
             back to eager mode with a warning when compilation fails (docs/engine.md).
@@ -56,6 +59,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    adaptive_threads: bool = True
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     speculative_adaptive: bool = True

@@ -42,6 +42,7 @@ from dflash2.runner import ModelRunner
 from dflash2.sampling import LogitsContext, SamplingParams, check_token_ids, sample_from_probs, target_probs
 from dflash2.scheduler import Scheduler
 from dflash2.selector import Proposal
+from dflash2.threads import ThreadGovernor
 from dflash2.verify import rejection_accept
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class Engine:
             deterministic=config.deterministic,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
+        self.threads = self._thread_governor()
+        self._probe_step = False  # this step runs at a probed thread count: its timings are not the cost model's
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
         self.acceptance = AcceptanceEstimate([PRIOR_ACCEPTANCE] * (self.block_size - 1), alpha=GLOBAL_ALPHA)
         self.prefix_cache = PrefixCache(
@@ -204,6 +207,16 @@ class Engine:
         if self.drafter is not None and self.is_speculative:
             total += per_token(self.drafter.config, self.drafter.dtype)
         return total
+
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """The thread-count chooser (CPU, more than one thread, not deterministic), or None."""
+        threads = torch.get_num_threads()
+        if not self.config.adaptive_threads or self.device.type != "cpu" or threads < 2 or self.config.deterministic:
+            return None
+        from dflash2.platform import CpuLoad
+
+        load = CpuLoad()
+        return ThreadGovernor(threads, set_threads=torch.set_num_threads, load=load.others, num_cpus=load.num_cpus)
 
     def _measure_costs(self) -> CostModel:
         """The adaptive policy's cost table: every verify width and the drafter's block, timed now at
@@ -339,14 +352,26 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One engine iteration: schedule → prefill → draft → select → verify → commit → emit."""
-        if not self.config.deterministic:
-            return self._step()
-        with batch_invariant():
-            return self._step()
+        if self.threads is not None:
+            threads = self.threads.before_step()
+        else:
+            threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        self._probe_step = self.threads is not None and self.threads.probing
+        if self.config.deterministic:
+            with batch_invariant():
+                result = self._step(threads)
+        else:
+            result = self._step(threads)
+        if self.threads is not None:
+            stats = result.stats
+            comparable = stats.num_prefills == 0 and stats.num_decode_rows > 0
+            shape = (stats.num_decode_rows, stats.verify_width) if comparable else None
+            self.threads.after_step(shape, stats.total_time)
+        return result
 
-    def _step(self) -> StepResult:
+    def _step(self, threads: int) -> StepResult:
         start = time.perf_counter()
-        stats = StepStats(block_size=self.block_size)
+        stats = StepStats(block_size=self.block_size, num_threads=threads)
         outputs = self._drain_inbox()
         admitted = self.scheduler.admit(self._choose_slot)
         if admitted:
@@ -528,7 +553,7 @@ class Engine:
             proposal = self._no_proposal(len(rows))
         verified = self._verify(rows, proposal, num_drafts, stats)
         stats.verify_width, stats.draft_lengths = max(num_drafts) + 1, num_drafts
-        if self.cost_model is not None:
+        if self.cost_model is not None and not self._probe_step:
             self.cost_model.observe(
                 len(rows),
                 max(num_drafts) + 1,

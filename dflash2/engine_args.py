@@ -28,7 +28,14 @@ def default_log_level() -> str:
 # Engine flags a subcommand does not use, by destination name: they are not offered there, so a
 # mistaken one (``train --block-size`` for ``--train-block-size``) is an error, not ignored.
 # Flags only an engine that decodes requests reads (training and evaluation run no engine).
-_DECODING_FLAGS = ("seed", "enforce_eager", "enable_prefix_caching", "speculative_adaptive", "deterministic")
+_DECODING_FLAGS = (
+    "seed",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "speculative_adaptive",
+    "deterministic",
+    "adaptive_threads",
+)
 UNUSED_ENGINE_FLAGS = {
     "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching", "speculative_adaptive"),
     "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
@@ -120,7 +127,15 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         dest="num_threads",
         type=int,
         default=_DEFAULTS.num_threads,
-        help="torch CPU threads (default: torch's choice)",
+        help="torch CPU threads, the most the engine uses (default: the CPUs this process may use: its affinity "
+        "and a cgroup CPU limit)",
+    )
+    g.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.adaptive_threads,
+        help="run with fewer CPU threads while timed steps show that is faster (other processes busy on the "
+        "same cores); --no-adaptive-threads keeps --threads fixed (default: on)",
     )
 
 

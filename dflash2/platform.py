@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 
 @functools.cache
@@ -90,3 +91,54 @@ def configure_threads(num_threads: int | None) -> int:
         if torch.get_num_threads() > usable:
             torch.set_num_threads(usable)
     return torch.get_num_threads()
+
+
+class CpuLoad:
+    """Cores that other processes keep busy on this process's CPUs, between two reads.
+
+    From ``/proc/stat``: busy time (user, nice, system, irq, softirq, steal) of the CPUs in this
+    process's affinity mask, less this process's own CPU time. Steal counts as others' work (a
+    hypervisor running other machines on our cores). Linux only; :meth:`others` returns None
+    where ``/proc/stat`` cannot be read.
+
+    Args:
+        stat_path: the file to read (a stand-in in tests).
+
+    Attributes:
+        num_cpus: the CPUs watched (this process's affinity).
+    """
+
+    def __init__(self, stat_path: str = "/proc/stat") -> None:
+        self.stat_path = stat_path
+        try:
+            self.cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
+        except (AttributeError, OSError):
+            self.cpus = set()
+        self.num_cpus = len(self.cpus) or (os.cpu_count() or 1)
+        self._ticks_per_second = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._previous = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall seconds, busy CPU-seconds of our CPUs, this process's CPU-seconds), or None."""
+        try:
+            with open(self.stat_path) as f:
+                lines = f.readlines()
+        except OSError:
+            return None
+        busy = 0
+        for line in lines:
+            name, _, rest = line.partition(" ")
+            if name in self.cpus or (not self.cpus and name == "cpu"):
+                fields = [int(v) for v in rest.split()]
+                busy += fields[0] + fields[1] + fields[2] + sum(fields[5:8])  # user nice system · irq softirq steal
+        times = os.times()
+        return time.monotonic(), busy / self._ticks_per_second, times.user + times.system
+
+    def others(self) -> float | None:
+        """Cores used by other processes since the previous call (or construction): 0 … CPUs."""
+        now = self._sample()
+        previous, self._previous = self._previous, now
+        if now is None or previous is None or now[0] <= previous[0]:
+            return None
+        wall = now[0] - previous[0]
+        return max(0.0, ((now[1] - previous[1]) - (now[2] - previous[2])) / wall)

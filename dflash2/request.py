@@ -161,6 +161,7 @@ class StepStats:
         predicted_tokens: tokens the adaptive policy expected the decode rows to commit (0: fixed block).
         num_running, num_waiting: queue sizes after the step.
         kv_cache_usage: fraction (0–1) of target KV positions in use after the step.
+        num_threads: torch CPU threads the step ran with (0 on CUDA; ``dflash2/threads.py``).
     """
 
     block_size: int = 1
@@ -187,6 +188,7 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_threads: int = 0
 
 
 @dataclass

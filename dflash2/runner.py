@@ -291,6 +291,18 @@ def _configure_compiler(device: torch.device) -> None:
     dynamo_config.specialize_float = True
     if device.type == "cpu":
         inductor_config.freezing = True
+        # Kernels read the thread count when they run, so the engine can change it (dflash2/threads.py);
+        # otherwise each kernel keeps the count it was compiled with. Measured: no cost at 2 threads.
+        inductor_config.cpp.dynamic_threads = torch.get_num_threads() > 1
+
+
+def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
+    """Keep every dynamo guard but the global-state one (grad mode, autocast, default dtype, thread
+    count …). That guard would recompile a graph (20 s on CPU) whenever the engine changes torch's
+    thread count (``dflash2/threads.py``), while the kernels read the count when they run
+    (``cpp.dynamic_threads``). The rest of that state is fixed for these graphs: the runner is their only
+    caller, always in inference mode, without autocast, at the dtype the weights were frozen in."""
+    return [entry.guard_type != "GLOBAL_STATE" for entry in guards]
 
 
 class ModelRunner:
@@ -401,11 +413,17 @@ class ModelRunner:
             "CUDA graphs" if self._cuda else "inductor",
         )
         _configure_compiler(self.device)
-        mode = "reduce-overhead" if self._cuda else None
         for name, module in modules:
+            # CUDA: graphs replayed; CPU: inductor kernels without the global-state guard (see
+            # _without_global_state_guard). A fresh dict per call: torch.compile pops the filter from it.
+            settings: dict[str, Any] = (
+                {"mode": "reduce-overhead"}
+                if self._cuda
+                else {"options": {"guard_filter_fn": _without_global_state_guard}}
+            )
             try:
                 # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.
-                forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, mode=mode)
+                forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, **settings)
                 self._warm_up(name, forward)
             except Exception as error:
                 logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))

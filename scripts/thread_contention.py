@@ -1,10 +1,12 @@
-"""Decode time idle and with the cores shared, per thread count and OpenMP setting (docs/engine.md, "Threads").
+"""Decode time idle and with the cores shared, per thread setting (docs/engine.md, "Threads").
 
 Each case runs in a fresh process (OpenMP reads its settings once, at start): SmolLM2 in bfloat16,
-eager, autoregressive, one chat prompt, 24 greedy tokens, median of 3 after a warm-up. Contention
-is two busy-looping processes started after the model has loaded.
+autoregressive, one chat prompt, 64 greedy tokens, median of 3 after a warm-up. Contention is two
+busy-looping processes started after the model has loaded. The default cases compare the engine's
+adaptive thread count (the default) with a fixed 2 and a fixed 1, compiled and eager; ``--omp``
+runs the OpenMP wait-policy cases instead (2 fixed threads, eager).
 
-    .venv/bin/python scripts/thread_contention.py [--rounds 2]
+    .venv/bin/python scripts/thread_contention.py [--rounds 2] [--omp]
 """
 
 from __future__ import annotations
@@ -16,25 +18,40 @@ import subprocess
 import sys
 import time
 
+TOKENS = 64
+# label, threads, adaptive threads, eager, environment
 CASES = [
-    ("threads=2 (libgomp default)", 2, {}),
-    ("threads=2 OMP_WAIT_POLICY=PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ("threads=2 GOMP_SPINCOUNT=10000", 2, {"GOMP_SPINCOUNT": "10000"}),
-    ("threads=1", 1, {}),
+    ("compiled, 2 threads, adaptive (default)", 2, True, False, {}),
+    ("compiled, 2 threads, --no-adaptive-threads", 2, False, False, {}),
+    ("compiled, 1 thread", 1, False, False, {}),
+    ("eager, 2 threads, adaptive (default)", 2, True, True, {}),
+    ("eager, 2 threads, --no-adaptive-threads", 2, False, True, {}),
+    ("eager, 1 thread", 1, False, True, {}),
+]
+OMP_CASES = [
+    ("eager, 2 threads (libgomp default)", 2, False, True, {}),
+    ("eager, 2 threads OMP_WAIT_POLICY=PASSIVE", 2, False, True, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("eager, 2 threads GOMP_SPINCOUNT=10000", 2, False, True, {"GOMP_SPINCOUNT": "10000"}),
+    ("eager, 1 thread", 1, False, True, {}),
 ]
 
 
-def worker(threads: int) -> None:
+def worker(threads: int, adaptive: bool, eager: bool) -> None:
     """Load, warm up, say READY, wait for a line on stdin, then time three decodes."""
-    import torch
-
-    torch.set_num_threads(threads)
     from dflash2 import LLM, SamplingParams
 
-    llm = LLM(block_size=1, max_num_seqs=1, max_model_len=1024, dtype="bfloat16", enforce_eager=True)
+    llm = LLM(
+        block_size=1,
+        max_num_seqs=1,
+        max_model_len=1024,
+        dtype="bfloat16",
+        enforce_eager=eager,
+        num_threads=threads,
+        adaptive_threads=adaptive,
+    )
     message = [{"role": "user", "content": "Explain what a hash table is."}]
     prompt = llm.engine.tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params)
     print("READY", flush=True)
     sys.stdin.readline()
@@ -49,16 +66,18 @@ def worker(threads: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--omp", action="store_true", help="the OpenMP wait-policy cases")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker)
+        threads, adaptive, eager = json.loads(args.worker)
+        worker(threads, adaptive, eager)
         return
     for round_index in range(args.rounds):
-        for label, threads, settings in CASES:
+        for label, threads, adaptive, eager, settings in OMP_CASES if args.omp else CASES:
             for contended in (False, True):
                 env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | settings
-                command = [sys.executable, __file__, "--worker", str(threads)]
+                command = [sys.executable, __file__, "--worker", json.dumps([threads, adaptive, eager])]
                 child = subprocess.Popen(
                     command,
                     stdin=subprocess.PIPE,
@@ -80,7 +99,10 @@ def main() -> None:
                         burner.kill()
                 child.wait()
                 state = "contended" if contended else "idle"
-                print(f"round {round_index} {label:36s} {state:9s} 24 tokens in {result['seconds']:6.2f} s", flush=True)
+                print(
+                    f"round {round_index} {label:44s} {state:9s} {TOKENS} tokens in {result['seconds']:6.2f} s",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

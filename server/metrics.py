@@ -122,6 +122,9 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("kv_cache_usage_perc", "gauge",
                    "Fraction (0-1) of target KV-cache positions holding committed tokens.",
                    vllm_names=("kv_cache_usage_perc", "gpu_cache_usage_perc")),
+        MetricSpec("cpu_threads", "gauge",
+                   "torch CPU threads the last engine step ran with: fewer than --threads while other processes "
+                   "keep the cores busy (adaptive threads); 0 on CUDA."),
         MetricSpec("spec_decode_draft_length", "histogram",
                    "Drafts each decode row verified per step (adaptive speculation chooses 0 … block size - 1).",
                    buckets=tuple(float(b) for b in range(0, block_size))),
@@ -270,6 +273,7 @@ class Metrics:
         f["num_requests_running"].set(stats.num_running)
         f["num_requests_waiting"].set(stats.num_waiting)
         f["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+        f["cpu_threads"].set(stats.num_threads)
 
     def on_first_token(self, timings: RequestTimings) -> None:
         """Time to first token, queue time and prefill time of one request."""

@@ -87,6 +87,7 @@ def tiny_engine(
 ) -> Engine:
     """A float32 CPU engine; eager unless ``enforce_eager=False`` (compiling takes seconds)."""
     kwargs.setdefault("speculative_adaptive", False)  # full blocks unless a test asks for the policy
+    kwargs.setdefault("adaptive_threads", False)  # the thread count tests set stays set
     config = EngineConfig(
         enforce_eager=enforce_eager,
         block_size=block_size if drafter is not None else 1,

@@ -68,6 +68,21 @@ def test_serving_never_recompiles(compiled_spec, reference):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_thread_count_changes_recompile_nothing(compiled_spec, reference):
+    """The engine moves between thread counts under load (dflash2/threads.py): the drafter's and the
+    target's graphs then run at the new count as they are (a recompile costs 20 s on a real model)."""
+    llm = LLM.from_engine(compiled_spec)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == reference[:2]
+    finally:
+        torch.set_num_threads(before)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compiled_autoregressive_equals_eager(reference):
     target = tiny_target("qwen3")
     engine = compiled(tiny_engine(target, None, max_num_seqs=4, enforce_eager=False))

@@ -21,6 +21,9 @@ from dflash2.sampling import SamplingParams, check_token_ids
 FAIL_MARKER = "FAIL"
 
 
+FAKE_THREADS = 2  # the CPU thread count the fake engine reports for its steps
+
+
 class FakeTokenizer:
     """One token per character (code point < 256); the chat template tags each message with its role."""
 
@@ -121,7 +124,9 @@ class FakeEngine:
             self.scheduler.running.append(self.scheduler.waiting.popleft())
         if any(FAIL_MARKER in self.tokenizer.decode(r.prompt_ids) for r in self.scheduler.running):
             raise RuntimeError("simulated engine failure")
-        stats = StepStats(block_size=self.block_size, accepted_per_position=[0] * (self.block_size - 1))
+        stats = StepStats(
+            block_size=self.block_size, accepted_per_position=[0] * (self.block_size - 1), num_threads=FAKE_THREADS
+        )
         for request in list(self.scheduler.running):
             outputs.append(self._advance(request, stats))
         time.sleep(self.step_delay)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.metrics import TOKEN_COUNT_BUCKETS, Metrics, metric_specs, token_count_buckets
 from server.timings import RequestTimings
 from tests.server.conftest import asgi_client
-from tests.server.fakes import FakeEngine
+from tests.server.fakes import FAKE_THREADS, FakeEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +26,7 @@ COUNTERS = [
     "generation_tokens",
     "request_success",
 ]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cpu_threads"]
 HISTOGRAMS = [
     "spec_decode_draft_length",
     "spec_decode_prediction_error",
@@ -111,7 +111,8 @@ async def test_every_metric_is_exported_with_model_name_and_moves_after_a_reques
     assert counter("request_success", finished_reason="length") == 1
     assert counter("request_success", finished_reason="abort") == 0
     for gauge in GAUGES:
-        assert value(after[f"dflash2_{gauge}"], f"dflash2_{gauge}") == 0
+        expected = FAKE_THREADS if gauge == "cpu_threads" else 0
+        assert value(after[f"dflash2_{gauge}"], f"dflash2_{gauge}") == expected, gauge
     counts = {h: value(after[f"dflash2_{h}"], f"dflash2_{h}_count") for h in HISTOGRAMS}
     assert counts == {
         "spec_decode_draft_length": 2,
