@@ -44,7 +44,7 @@ format: install
 	$(BIN)/ruff format dflash2 server tests scripts
 	$(BIN)/ruff check --fix dflash2 server tests scripts
 
-# THREADS=1 when other work shares the cores: oversubscribed torch threads wait on each other.
+# THREADS=N: the most CPU threads (the engine uses fewer while other work keeps the cores busy).
 THREADS ?=
 THREADS_FLAG := $(if $(THREADS),--threads $(THREADS))
 
