@@ -70,6 +70,8 @@ class EngineConfig:
             raise ValueError("block_size must be in [1, 64]")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads (--threads) must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         if self.dtype not in ("auto", *DTYPES):

@@ -104,6 +104,9 @@ class Engine:
         self.grammar = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.block_size = self._resolve_block_size()
         self.max_model_len = config.max_model_len or self._default_max_model_len()
+        self.threads = self._thread_governor()
+        if self.threads is not None:
+            self.threads.settle()  # start-up (compiling, timing step costs) at a count that fits the free cores
         self.runner = ModelRunner(
             target,
             drafter if self.is_speculative else None,
@@ -112,9 +115,9 @@ class Engine:
             self.block_size,
             enforce_eager=config.enforce_eager,
             deterministic=config.deterministic,
+            dynamic_threads=self.threads is not None,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
-        self.threads = self._thread_governor()
         self._probe_step = False  # this step runs at a probed thread count: its timings are not the cost model's
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
         self.acceptance = AcceptanceEstimate([PRIOR_ACCEPTANCE] * (self.block_size - 1), alpha=GLOBAL_ALPHA)
@@ -225,16 +228,36 @@ class Engine:
         slots = self.config.max_num_seqs
         row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
         verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths)
+        select = {rows: self._time_selector(rows) for rows in draft}
         model = CostModel(slots, self.runner.verify_widths)
-        model.seed(verify, draft)
+        model.seed(verify, {rows: draft[rows] + select[rows] for rows in draft})
         logger.info(
             "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
-            "drafter block %.1f ms",
+            "drafter block %.1f ms + selector %.1f ms",
             time.perf_counter() - start,
             ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
-            1000 * model.draft[1],
+            1000 * draft[1],
+            1000 * select[1],
         )
         return model
+
+    def _time_selector(self, rows: int, repeats: int = 3) -> float:
+        """Seconds of the drafted path's choice (top-k, lattice, walk) for ``rows`` rows, as a step runs
+        it after the drafter's block (median of ``repeats`` after a warm-up call): the cost model's
+        drafting cost is both, as every step measures it."""
+        assert self.drafter is not None
+        slots = [self.runner.scratch_slot] * rows
+        anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden, logits = self.runner.draft(slots, anchors, torch.ones_like(anchors))
+            temperatures = torch.zeros(rows, device=self.device)
+            uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
+            samples = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
+                samples.append(time.perf_counter() - start)
+        return sorted(samples[1:])[repeats // 2]
 
     @property
     def is_speculative(self) -> bool:

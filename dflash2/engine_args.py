@@ -134,8 +134,9 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         "--adaptive-threads",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.adaptive_threads,
-        help="run with fewer CPU threads while timed steps show that is faster (other processes busy on the "
-        "same cores); --no-adaptive-threads keeps --threads fixed (default: on)",
+        help="CPU: run with fewer threads while other processes keep the cores busy and timed steps show that "
+        "is faster, back to --threads when the cores free up (off in --deterministic mode); "
+        "--no-adaptive-threads keeps --threads fixed (default: on)",
     )
 
 

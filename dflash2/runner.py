@@ -273,7 +273,7 @@ def inductor_cache_dir() -> str:
     return str(cache_dir() / "inductor")
 
 
-def _configure_compiler(device: torch.device) -> None:
+def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
@@ -293,7 +293,7 @@ def _configure_compiler(device: torch.device) -> None:
         inductor_config.freezing = True
         # Kernels read the thread count when they run, so the engine can change it (dflash2/threads.py);
         # otherwise each kernel keeps the count it was compiled with. Measured: no cost at 2 threads.
-        inductor_config.cpp.dynamic_threads = torch.get_num_threads() > 1
+        inductor_config.cpp.dynamic_threads = dynamic_threads
 
 
 def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
@@ -320,6 +320,8 @@ class ModelRunner:
         max_model_len: positions per slot.
         block_size: tokens per verify forward (1 = autoregressive).
         enforce_eager: never compile.
+        dynamic_threads: the engine changes torch's CPU thread count while it runs
+            (``dflash2/threads.py``): compiled kernels then read the count when they run.
         deterministic: the engine runs its steps batch-invariant
             (:func:`dflash2.models.layers.batch_invariant`); forwards then run eagerly, because the
             compiled graphs fuse and reorder the very reductions that mode fixes.
@@ -337,8 +339,10 @@ class ModelRunner:
         block_size: int,
         enforce_eager: bool = False,
         deterministic: bool = False,
+        dynamic_threads: bool = False,
     ) -> None:
         self.target, self.drafter = target, drafter
+        self.dynamic_threads = dynamic_threads
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
         self.dtype = embed_weight.dtype
@@ -412,7 +416,7 @@ class ModelRunner:
             "s" * (len(modules) > 1),
             "CUDA graphs" if self._cuda else "inductor",
         )
-        _configure_compiler(self.device)
+        _configure_compiler(self.device, self.dynamic_threads)
         for name, module in modules:
             # CUDA: graphs replayed; CPU: inductor kernels without the global-state guard (see
             # _without_global_state_guard). A fresh dict per call: torch.compile pops the filter from it.

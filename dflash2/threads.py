@@ -140,6 +140,20 @@ class ThreadGovernor:
         self.interval = self.first_interval
         self.next_probe = self.clock() + self.interval
 
+    def settle(self, window: float = 0.25, sleep: Callable[[float], None] = time.sleep) -> int:
+        """Before start-up work (compiling, timing the step costs): read what other processes use over
+        ``window`` seconds, move to the most threads that fit in the free cores, and apply it. Without
+        this, start-up on busy cores ran at every thread and took minutes. Returns the count."""
+        if self.load is not None:
+            self.load()  # the window starts now
+            sleep(window)
+            self._read_load()
+            self._next_load_read = self.clock() + LOAD_PERIOD
+        if self._applied != self.current:
+            self.set_threads(self.current)
+            self._applied = self.current
+        return self.current
+
     @property
     def probing(self) -> bool:
         """True while the step about to run (or just run) uses another count than :attr:`current`."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dflash2 import LLM, SamplingParams
 from dflash2.adaptive import CostModel
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
@@ -40,6 +42,22 @@ def test_start_up_measures_every_width_and_the_drafter():
     assert model.widths == tuple(range(1, 9))
     assert all(model.verify[(rows, w)] > 0 for rows in range(1, 5) for w in model.widths)
     assert all(model.draft[rows] > 0 for rows in range(1, 5))
+
+
+def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
+    """A step's drafting cost is the drafter's block and the selector's walk; the start-up table
+    measures both (a selector made 20 ms slower shows in every row count's entry)."""
+    from dflash2.models.drafter import DFlashDrafter
+
+    propose = DFlashDrafter.propose
+
+    def slow_propose(self, *args, **kwargs):
+        time.sleep(0.020)
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", slow_propose)
+    adaptive, _, _ = engines()
+    assert all(adaptive.cost_model.draft[rows] >= 0.020 for rows in range(1, 5))
 
 
 def test_width_follows_the_cost_and_greedy_output_equals_autoregressive():

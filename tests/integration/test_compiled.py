@@ -38,8 +38,14 @@ def reference(target):
 
 @pytest.fixture(scope="module")
 def compiled_spec(target):
-    engine = compiled(tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, enforce_eager=False))
+    # Compiled as for adaptive threads (kernels read the thread count when they run); the governor
+    # itself is off, so the tests here choose the count.
+    drafter = tiny_drafter(target, 2, 8)
+    threads = torch.get_num_threads()
+    engine = compiled(tiny_engine(target, drafter, 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True))
     assert engine.runner.compiled and engine.runner._draft_forward is not None
+    engine.threads = None
+    torch.set_num_threads(threads)  # start-up may have settled on fewer (busy cores)
     return engine
 
 

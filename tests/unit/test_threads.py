@@ -152,3 +152,22 @@ def test_cpu_load_reads_others_from_proc_stat(tmp_path, monkeypatch):
     assert load.others() == pytest.approx(len(cpus))
     assert load.others() == 0.0  # nothing since
     assert CpuLoad(str(tmp_path / "missing")).others() is None
+
+
+def test_start_up_settles_on_the_threads_that_fit_the_free_cores():
+    """Compiling and timing the step costs on busy cores at every thread took minutes."""
+    busy = Machine({2: 5.0, 1: 0.025}, others=1.7)
+    governor = busy.governor()
+    assert governor.settle(sleep=lambda seconds: None) == 1
+    assert busy.applied == [1] and governor.current == 1
+    idle = Machine({2: 0.010, 1: 0.013}, others=0.1)
+    governor = idle.governor()
+    assert governor.settle(sleep=lambda seconds: None) == 2 and idle.applied == []
+
+
+@pytest.mark.parametrize("threads", [0, -1])
+def test_a_thread_count_below_one_is_refused(threads):
+    from dflash2.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--threads"):
+        EngineConfig(num_threads=threads)
