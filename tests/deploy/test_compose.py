@@ -141,6 +141,7 @@ def test_dashboard_covers_the_headline_panels():
         "dflash2_num_requests_waiting",
         "dflash2_kv_cache_usage_perc",
         "dflash2_request_success_total",
+        "dflash2_cpu_threads",
     ):
         assert needed in exprs, needed
     assert "histogram_quantile" in exprs
