@@ -20,6 +20,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads() -> Iterator[None]:
+    """An engine's thread governor changes torch's process-wide thread count (on busy cores, to 1);
+    later tests get the count back."""
+    yield
+    if torch.get_num_threads() != 2:
+        torch.set_num_threads(2)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> SmolLM2:
     """The embedded model (imported lazily: most tests never start a server)."""
