@@ -118,7 +118,6 @@ class Engine:
             dynamic_threads=self.threads is not None,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
-        self._probe_step = False  # this step runs at a probed thread count: its timings are not the cost model's
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
         self.acceptance = AcceptanceEstimate([PRIOR_ACCEPTANCE] * (self.block_size - 1), alpha=GLOBAL_ALPHA)
         self.prefix_cache = PrefixCache(
@@ -227,37 +226,26 @@ class Engine:
         start = time.perf_counter()
         slots = self.config.max_num_seqs
         row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
-        verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths)
-        select = {rows: self._time_selector(rows) for rows in draft}
+        verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths, self._select_for_costs)
         model = CostModel(slots, self.runner.verify_widths)
-        model.seed(verify, {rows: draft[rows] + select[rows] for rows in draft})
+        model.seed(verify, draft)
         logger.info(
             "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
-            "drafter block %.1f ms + selector %.1f ms",
+            "drafter block + selector %.1f ms",
             time.perf_counter() - start,
             ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
-            1000 * draft[1],
-            1000 * select[1],
+            1000 * model.draft[1],
         )
         return model
 
-    def _time_selector(self, rows: int, repeats: int = 3) -> float:
-        """Seconds of the drafted path's choice (top-k, lattice, walk) for ``rows`` rows, as a step runs
-        it after the drafter's block (median of ``repeats`` after a warm-up call): the cost model's
-        drafting cost is both, as every step measures it."""
+    def _select_for_costs(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> None:
+        """The drafted path's choice (top-k, lattice, walk) as a greedy step runs it after the drafter's
+        block: the cost table's drafting cost is both, as every step measures it."""
         assert self.drafter is not None
-        slots = [self.runner.scratch_slot] * rows
-        anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            hidden, logits = self.runner.draft(slots, anchors, torch.ones_like(anchors))
-            temperatures = torch.zeros(rows, device=self.device)
-            uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
-            samples = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
-                samples.append(time.perf_counter() - start)
-        return sorted(samples[1:])[repeats // 2]
+        rows = anchors.shape[0]
+        temperatures = torch.zeros(rows, device=self.device)
+        uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
+        self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
 
     @property
     def is_speculative(self) -> bool:
@@ -379,7 +367,6 @@ class Engine:
             threads = self.threads.before_step()
         else:
             threads = torch.get_num_threads() if self.device.type == "cpu" else 0
-        self._probe_step = self.threads is not None and self.threads.probing
         if self.config.deterministic:
             with batch_invariant():
                 result = self._step(threads)
@@ -576,7 +563,8 @@ class Engine:
             proposal = self._no_proposal(len(rows))
         verified = self._verify(rows, proposal, num_drafts, stats)
         stats.verify_width, stats.draft_lengths = max(num_drafts) + 1, num_drafts
-        if self.cost_model is not None and not self._probe_step:
+        # A step at a probed thread count is not what the cost table describes.
+        if self.cost_model is not None and not (self.threads is not None and self.threads.probing):
             self.cost_model.observe(
                 len(rows),
                 max(num_drafts) + 1,

@@ -618,10 +618,16 @@ class ModelRunner:
             self.draft_cache.rollback(slot, start + n)
 
     def measure_costs(
-        self, row_counts: Sequence[int], widths: Sequence[int], repeats: int = 3
+        self,
+        row_counts: Sequence[int],
+        widths: Sequence[int],
+        select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
+        repeats: int = 3,
     ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
         """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
-        drafter, the drafter's block at each row count (median of ``repeats`` after one warm-up call).
+        drafter, the drafter's block at each row count (median of ``repeats`` after one warm-up call),
+        plus ``select(hidden [R, J, H], logits [R, J, V], anchors [R])`` on its outputs when given (the
+        step's choice of the drafted path).
 
         Returns:
             ``({(rows, width): seconds}, {rows: seconds})`` (the second empty without a drafter).
@@ -645,7 +651,11 @@ class ModelRunner:
                     verify[(rows, width)] = timed(functools.partial(self.verify, slots, [[0] * width] * rows, starts))
                 if self.draft_cache is not None:
                     anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
-                    draft[rows] = timed(functools.partial(self.draft, slots, anchors, torch.ones_like(anchors)))
+                    lengths = torch.ones_like(anchors)
+                    draft[rows] = timed(functools.partial(self.draft, slots, anchors, lengths))
+                    if select is not None:
+                        hidden, logits = self.draft(slots, anchors, lengths)
+                        draft[rows] += timed(functools.partial(select, hidden, logits, anchors))
         return verify, draft
 
     def rollback(self, slot: int, length: int) -> None:

@@ -125,7 +125,7 @@ class ThreadGovernor:
     _ladder: tuple[int, ...] = ()
     _applied: int = 0
     _probe: _Probe | None = None
-    _direction: int = -1  # the next probe goes down (-1) or up (+1) the ladder, where both exist
+    _direction: int = -1  # the next probe goes down (-1) or up (+1) the ladder, where both ways exist
     _reference: dict[Hashable, float] = field(default_factory=dict)  # seconds per shape at ``current`` (smoothed)
     _last: dict[Hashable, float] = field(default_factory=dict)  # the last step's seconds per shape at ``current``
     _slow_steps: int = 0
@@ -224,21 +224,20 @@ class ThreadGovernor:
         if others is None:
             self._free = None
             return
-        before = (self._fits(self.current), self._fits(self._up()))
+        up_fitted = self._fits(self._up())
         self._free = max(0.0, self.num_cpus - others)
-        after = (self._fits(self.current), self._fits(self._up()))
         if self._probe is not None:
             if self._fits(self._probe.other) or self._probe.other < self.current:
                 return
             self._probe = None  # a probe of more threads than now fit
             self.next_probe = self.clock() + self.interval
-        if not after[0] and self.current > self._ladder[0]:
+        if not self._fits(self.current) and self.current > self._ladder[0]:
             # Others took cores: move down at once. Checking first would mean steps at the current count,
             # and those are what can take seconds now; if this was wrong, the next probe up finds out.
             fitting = [t for t in self._ladder if t < self.current and self._fits(t)] or [self._ladder[0]]
             self._switch(fitting[-1], f"other processes use {others:.1f} of {self.num_cpus} cores")
-        elif not before[1] and after[1] and self.current < self._ladder[-1]:  # cores came free: try more
-            self._direction, self.next_probe, self.interval = -1, self.clock(), self.first_interval
+        elif not up_fitted and self._fits(self._up()) and self.current < self._ladder[-1]:  # cores came free
+            self._direction, self.next_probe, self.interval = 1, self.clock(), self.first_interval
 
     def _switch(self, threads: int, reason: str) -> None:
         logger.info("CPU threads %d → %d: %s", self.current, threads, reason)
@@ -260,8 +259,8 @@ class ThreadGovernor:
             return self._ladder[1]
         if index == len(self._ladder) - 1:
             return self._ladder[index - 1]
-        self._direction = -self._direction
-        return self._ladder[index + self._direction]
+        direction, self._direction = self._direction, -self._direction  # the probe after this one goes the other way
+        return self._ladder[index + direction]
 
     def _observe_current(self, shape: Hashable, seconds: float) -> None:
         self._last[shape] = seconds
@@ -278,7 +277,7 @@ class ThreadGovernor:
                 self._slow_steps = 0
                 self.next_probe = self.clock()
                 self.interval = self.first_interval
-                self._direction = 1  # _neighbour flips it: the probe goes down
+                self._direction = -1  # the probe goes down
             return
         self._slow_steps = 0
         self._reference[shape] = reference + REFERENCE_ALPHA * (seconds - reference)
