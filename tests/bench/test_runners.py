@@ -91,6 +91,7 @@ def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders
         device="cpu",
         dtype="float32",
         enforce_eager=True,
+        speculative_adaptive=False,  # every step drafts, so every phase is timed (the policy may choose none)
     )
     prompt = _prompt(tiny_folders.model)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
