@@ -35,6 +35,7 @@ def _engine_runner(tiny: TinyFolders, block_size: int) -> EngineRunner:
         dtype="float32",
         num_threads=1,
         enforce_eager=True,
+        speculative_adaptive=False,  # full blocks, as the benchmark's single-stream engine rows run
     )
     return EngineRunner(config)
 
