@@ -144,6 +144,8 @@ def acceptance(
         use_selector=use_selector,
         seed=0,
         speculative_adaptive=False,  # the drafter's acceptance over full blocks, whatever the machine
+        # Acceptance, not speed: compiling each engine's graphs would cost minutes and change nothing measured.
+        enforce_eager=True,
     )
     engine = Engine(config, target, tokenizer, drafter, eos_token_ids)
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
