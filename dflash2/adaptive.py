@@ -13,8 +13,12 @@ and takes the best, where
 
 - ``E_r[k] = 1 + Σ_{j=1..k} Π_{i≤j} a_r,i`` with ``a_r,i`` row r's estimated probability that draft
   i is accepted when drafts 1 … i−1 were (an exponentially weighted average of its own verify
-  outcomes, started from the engine-wide average, and drawn back toward it on steps without
-  drafts so a row is re-tried; spec §5.2's τ is E[W − 1] for a full block);
+  outcomes, started from the engine-wide recent average, and drawn back toward it on steps without
+  drafts so a row is re-tried; spec §5.2's τ is E[W − 1] for a full block). The engine-wide recent
+  average is in turn drawn back toward the drafter's long-run acceptance (all outcomes so far) on
+  steps where no row drafts: otherwise a hard stretch of text that stops every row from drafting
+  would freeze the estimates where that stretch left them, and the engine would never draft again
+  (:class:`AcceptanceTracker`);
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
   drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
   machine and shapes (``ModelRunner.measure_costs``) and kept up to date from every step's timings.
@@ -40,6 +44,8 @@ ROW_ALPHA = 0.15  # weight of a row's newest verify outcome in its estimate
 # stopped drafting after a bad patch is re-tried instead of staying autoregressive for good.
 RELAX_RATE = 0.1
 GLOBAL_ALPHA = 0.05  # weight of any row's outcome in the engine-wide estimate
+# The long-run acceptance starts as this many observations at PRIOR_ACCEPTANCE per position.
+PRIOR_OBSERVATIONS = 20
 COST_ALPHA = 0.1  # weight of a new step timing in the cost table
 
 
@@ -77,6 +83,51 @@ class AcceptanceEstimate:
         """Move every position ``rate`` of the way to ``toward`` (a step that observed nothing)."""
         for i, target in enumerate(toward):
             self.values[i] += rate * (target - self.values[i])
+
+
+class AcceptanceTracker:
+    """The engine-wide acceptance: a recent estimate (new rows start from it, idle rows relax toward
+    it) and the long-run per-position rate of every outcome so far, toward which the recent estimate
+    relaxes on steps where no row drafts.
+
+    Without that second pull the policy can lock itself out: a stretch of poorly drafted text lowers
+    the recent estimate until no row drafts, after which nothing is observed and the estimate never
+    recovers, so the engine decodes autoregressively for good (seen at batch 1 on chat prompts: the
+    recent estimate for draft 1 stuck at 0.27 while the drafter's rate there was 0.48).
+
+    Args:
+        num_positions: draft positions (B − 1).
+        prior: the acceptance assumed before anything is observed.
+        prior_observations: how many observations the prior counts as in the long-run rate.
+    """
+
+    def __init__(
+        self, num_positions: int, prior: float = PRIOR_ACCEPTANCE, prior_observations: int = PRIOR_OBSERVATIONS
+    ) -> None:
+        self.recent = AcceptanceEstimate([prior] * num_positions, alpha=GLOBAL_ALPHA)
+        self._accepted = [prior * prior_observations] * num_positions
+        self._observed = [float(prior_observations)] * num_positions
+
+    @property
+    def values(self) -> list[float]:
+        """The recent estimate per position (what a new row starts from)."""
+        return self.recent.values
+
+    @property
+    def long_run(self) -> list[float]:
+        """Accepted ÷ observed per position over the engine's life (prior included)."""
+        return [a / n for a, n in zip(self._accepted, self._observed)]
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One row's verify outcome (see :meth:`AcceptanceEstimate.observe`)."""
+        self.recent.observe(num_drafts, num_accepted)
+        for i in range(min(num_accepted + 1, num_drafts)):
+            self._observed[i] += 1.0
+            self._accepted[i] += 1.0 if i < num_accepted else 0.0
+
+    def idle_step(self, rate: float = RELAX_RATE) -> None:
+        """A decode step where no row drafted: move the recent estimate ``rate`` of the way to the long run."""
+        self.recent.relax(self.long_run, rate)
 
 
 @dataclass

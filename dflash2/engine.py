@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflash2.adaptive import GLOBAL_ALPHA, PRIOR_ACCEPTANCE, AcceptanceEstimate, CostModel, choose_width
+from dflash2.adaptive import AcceptanceEstimate, AcceptanceTracker, CostModel, choose_width
 from dflash2.config import EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
@@ -119,7 +119,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.max_num_seqs)
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
-        self.acceptance = AcceptanceEstimate([PRIOR_ACCEPTANCE] * (self.block_size - 1), alpha=GLOBAL_ALPHA)
+        self.acceptance = AcceptanceTracker(self.block_size - 1)
         self.prefix_cache = PrefixCache(
             config.max_num_seqs, enabled=config.enable_prefix_caching and self.runner.supports_prefix_copy
         )
@@ -674,6 +674,8 @@ class Engine:
                 else:
                     request.acceptance.relax(self.acceptance.values)
             outputs.append(self._output(request, committed, text, logprobs))  # cumulative counts include this step
+        if self.cost_model is not None and not any(verified.num_drafts):
+            self.acceptance.idle_step()  # nothing observed: recover toward the long run (no lock-out)
         if self.is_speculative and verified.features is not None:
             # The anchor's and accepted drafts' features become drafter context (spec §5.4), written
             # when the row drafts next (a step without drafts needs none) or when it ends.

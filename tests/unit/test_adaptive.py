@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
-from dflash2.adaptive import AcceptanceEstimate, CostModel, choose_width, expected_tokens
+from dflash2.adaptive import AcceptanceEstimate, AcceptanceTracker, CostModel, choose_width, expected_tokens
 
 
 def test_expected_tokens_is_one_plus_the_survival_sums():
@@ -30,6 +31,54 @@ def test_relax_moves_an_estimate_back_toward_the_engine_wide_one():
     estimate = AcceptanceEstimate([0.0, 0.2])
     estimate.relax([0.5, 0.4], rate=0.5)
     assert estimate.values == pytest.approx([0.25, 0.3])
+
+
+def test_tracker_keeps_a_recent_estimate_and_the_long_run_rate():
+    tracker = AcceptanceTracker(3, prior=0.5, prior_observations=2)
+    assert tracker.long_run == [0.5, 0.5, 0.5] and tracker.values == [0.5, 0.5, 0.5]
+    tracker.observe(num_drafts=3, num_accepted=1)  # position 1 accepted, 2 rejected, 3 unseen
+    tracker.observe(num_drafts=3, num_accepted=3)
+    assert tracker.long_run == pytest.approx([3 / 4, 2 / 4, 2 / 3])
+    assert tracker.values == pytest.approx([0.54875, 0.50125, 0.525])  # recent: exponential averages (α 0.05)
+    tracker.recent.values = [0.0, 0.0, 0.0]
+    tracker.idle_step(rate=0.5)  # no row drafted: halfway back to the long run
+    assert tracker.values == pytest.approx([3 / 8, 2 / 8, 2 / 6])
+    assert tracker.long_run == pytest.approx([3 / 4, 2 / 4, 2 / 3])  # idle steps observe nothing
+
+
+def simulate_one_row(idle_steps: bool, seed: int = 0) -> list[int]:
+    """One row decoding through a hard stretch (every draft rejected) into easy text (each draft accepted
+    with probability 0.7), the engine's updates in between; returns the width chosen at every step."""
+    rng = random.Random(seed)
+    tracker = AcceptanceTracker(7)
+    row = AcceptanceEstimate(list(tracker.values))
+    cost = lambda rows, width: 0.010 + 0.0005 * width + (0.003 if width > 1 else 0.0)  # noqa: E731
+    widths = []
+    for step in range(400):
+        width = choose_width([row.values], [7], range(1, 9), cost).width
+        widths.append(width)
+        if width == 1:
+            row.relax(tracker.values)
+            if idle_steps:
+                tracker.idle_step()
+            continue
+        rate = 0.0 if step < 100 else 0.7
+        accepted = next((i for i in range(width - 1) if rng.random() >= rate), width - 1)
+        row.observe(width - 1, accepted)
+        tracker.observe(width - 1, accepted)
+    return widths
+
+
+def test_a_hard_stretch_does_not_lock_the_policy_out_of_drafting():
+    """After a stretch where every draft is rejected the row stops drafting; once the text is easy again
+    it must draft again. With the engine-wide estimate frozen where the hard stretch left it (the old
+    behaviour, no idle-step recovery), it never does."""
+    widths = simulate_one_row(idle_steps=True)
+    assert widths[0] > 1  # the prior: speculate from the start
+    assert 1 in widths[:100]  # the hard stretch stops drafting
+    easy = widths[150:]
+    assert sum(w > 1 for w in easy) > 0.8 * len(easy)
+    assert all(w == 1 for w in simulate_one_row(idle_steps=False)[150:])
 
 
 def test_cost_model_interpolates_between_measured_row_counts_and_learns():
