@@ -21,7 +21,8 @@ and takes the best, where
   (:class:`AcceptanceTracker`);
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
   drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
-  machine and shapes (``ModelRunner.measure_costs``) and kept up to date from every step's timings.
+  machine and shapes (``ModelRunner.measure_costs``) and scaled, per row count, by what live steps
+  measure (:class:`CostModel`).
 
 Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
 block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
@@ -134,15 +135,22 @@ class AcceptanceTracker:
 class CostModel:
     """Seconds of one decode step by rows R and verify width W (``seconds(R, W)``).
 
-    ``verify[(R, W)]`` and ``draft[R]`` (drafter forward + selector) start from start-up measurements
-    at a few row counts and are interpolated in between (linearly in R); every step's own timings then
-    update the entry it used (exponential average).
+    ``verify[(R, W)]`` and ``draft[R]`` (drafter forward + selector) are the start-up measurements at
+    a few row counts, interpolated in between (linearly in R): they give the shape of the cost over
+    widths. Live steps then learn, per row count, how far the machine is from that shape: one factor
+    for autoregressive steps (W = 1), one for the verify forward of drafted steps (any W > 1) and one
+    for the drafter, each an exponential average of measured ÷ start-up seconds. So one step at W = 5
+    corrects the prediction for every W ≥ 2 at that row count (longer contexts than at start-up, a
+    slower host, another thread count), instead of the policy trusting the optimistic start-up figure
+    of each width it has not tried yet — which made it draft under load, where drafting loses.
     """
 
     max_rows: int
     widths: tuple[int, ...]
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
+    verify_scale: dict[tuple[int, bool], float] = field(default_factory=dict)
+    draft_scale: dict[int, float] = field(default_factory=dict)
 
     def seed(self, verify: dict[tuple[int, int], float], draft: dict[int, float]) -> None:
         """Fill every (R, W) from measurements at some row counts (linear interpolation in R, flat beyond)."""
@@ -155,16 +163,23 @@ class CostModel:
 
     def seconds(self, rows: int, width: int) -> float:
         """Predicted seconds of a step (inf when never measured)."""
-        verify = self.verify.get((rows, width), math.inf)
-        return verify + (self.draft.get(rows, math.inf) if width > 1 else 0.0)
+        drafted = width > 1
+        verify = self.verify.get((rows, width), math.inf) * self.verify_scale.get((rows, drafted), 1.0)
+        if not drafted:
+            return verify
+        return verify + self.draft.get(rows, math.inf) * self.draft_scale.get(rows, 1.0)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
-        """Fold one step's measured timings into the entries it used."""
-        key = (rows, width)
-        if key in self.verify:
-            self.verify[key] += COST_ALPHA * (verify_seconds - self.verify[key])
-        if width > 1 and rows in self.draft:
-            self.draft[rows] += COST_ALPHA * (draft_seconds - self.draft[rows])
+        """Fold one step's measured timings into the factors of its row count."""
+        drafted = width > 1
+        base = self.verify.get((rows, width), 0.0)
+        if base > 0 and math.isfinite(base):
+            scale = self.verify_scale.get((rows, drafted), 1.0)
+            self.verify_scale[(rows, drafted)] = scale + COST_ALPHA * (verify_seconds / base - scale)
+        base = self.draft.get(rows, 0.0)
+        if drafted and base > 0 and math.isfinite(base):
+            scale = self.draft_scale.get(rows, 1.0)
+            self.draft_scale[rows] = scale + COST_ALPHA * (draft_seconds / base - scale)
 
 
 def _interpolate(known: dict[int, float], rows: int) -> float:

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # Pending drafter context is written once a request holds this many positions of it, so a request that
 # decodes without drafts for long keeps little memory and a later draft step little work.
 MAX_PENDING_CONTEXT = 64
+# Tokens of context each row has when the adaptive policy's step costs are timed at start-up: a chat
+# request's prompt and some answer, so attention's share of the cost is not that of an empty cache.
+COST_CONTEXT = 256
 
 
 class ContextLengthExceededError(ValueError):
@@ -222,11 +225,13 @@ class Engine:
 
     def _measure_costs(self) -> CostModel:
         """The adaptive policy's cost table: every verify width and the drafter's block, timed now at
-        1, 2, 4, … rows up to ``max_num_seqs`` (a few seconds)."""
+        1, 2, 4, … rows up to ``max_num_seqs``, each row :data:`COST_CONTEXT` tokens in (a few seconds)."""
         start = time.perf_counter()
         slots = self.config.max_num_seqs
         row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
-        verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths, self._select_for_costs)
+        verify, draft = self.runner.measure_costs(
+            row_counts, self.runner.verify_widths, self._select_for_costs, context=COST_CONTEXT
+        )
         model = CostModel(slots, self.runner.verify_widths)
         model.seed(verify, draft)
         logger.info(

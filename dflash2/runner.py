@@ -623,11 +623,13 @@ class ModelRunner:
         widths: Sequence[int],
         select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
         repeats: int = 3,
+        context: int = 0,
     ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
         """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
         drafter, the drafter's block at each row count (median of ``repeats`` after one warm-up call),
         plus ``select(hidden [R, J, H], logits [R, J, V], anchors [R])`` on its outputs when given (the
-        step's choice of the drafted path).
+        step's choice of the drafted path). Every row sits after ``context`` tokens (clamped to the
+        slot), so attention reads as many keys as a request that far in would.
 
         Returns:
             ``({(rows, width): seconds}, {rows: seconds})`` (the second empty without a drafter).
@@ -644,14 +646,15 @@ class ModelRunner:
 
         verify: dict[tuple[int, int], float] = {}
         draft: dict[int, float] = {}
+        context = max(0, min(context, self.max_model_len - max(widths, default=1)))
         with torch.inference_mode():
             for rows in row_counts:
-                slots, starts = [self.scratch_slot] * rows, [0] * rows
+                slots, starts = [self.scratch_slot] * rows, [context] * rows
                 for width in widths:
                     verify[(rows, width)] = timed(functools.partial(self.verify, slots, [[0] * width] * rows, starts))
                 if self.draft_cache is not None:
                     anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
-                    lengths = torch.ones_like(anchors)
+                    lengths = torch.full_like(anchors, max(context, 1))
                     draft[rows] = timed(functools.partial(self.draft, slots, anchors, lengths))
                     if select is not None:
                         hidden, logits = self.draft(slots, anchors, lengths)

@@ -89,8 +89,41 @@ def test_cost_model_interpolates_between_measured_row_counts_and_learns():
     assert model.seconds(2, 4) == pytest.approx(0.040 + 0.006)
     assert model.seconds(2, 1) == pytest.approx(0.020)  # no drafter forward at width 1
     assert math.isinf(model.seconds(2, 3))
-    model.observe(2, 4, verify_seconds=0.140, draft_seconds=0.006)
-    assert model.verify[(2, 4)] == pytest.approx(0.040 + 0.1 * 0.100)
+
+
+def test_a_live_step_rescales_every_drafted_width_at_its_row_count():
+    model = CostModel(max_rows=4, widths=(1, 2, 4))
+    model.seed({(1, w): 0.010 * w for w in (1, 2, 4)} | {(2, w): 0.020 * w for w in (1, 2, 4)}, {1: 0.005, 2: 0.008})
+    model.observe(2, 4, verify_seconds=0.160, draft_seconds=0.016)  # twice the start-up figures
+    scale = 1 + 0.1 * (2 - 1)  # one step moves the factor a tenth of the way
+    assert model.seconds(2, 2) == pytest.approx(0.040 * scale + 0.008 * scale)  # a width never run: rescaled too
+    assert model.seconds(2, 4) == pytest.approx(0.080 * scale + 0.008 * scale)
+    assert model.seconds(2, 1) == pytest.approx(0.020)  # autoregressive steps have their own factor
+    assert model.seconds(1, 4) == pytest.approx(0.040 + 0.005)  # and so does every row count
+    for _ in range(100):
+        model.observe(2, 1, verify_seconds=0.030, draft_seconds=0.0)
+    assert model.seconds(2, 1) == pytest.approx(0.030, rel=1e-4)
+    assert model.seconds(2, 4) == pytest.approx(0.080 * scale + 0.008 * scale)  # no drafter run: unchanged
+
+
+def test_optimistic_start_up_costs_under_load_are_corrected_and_drafting_stops():
+    """Start-up timed a 4-row drafted step at 25 ms against 20 ms for an autoregressive one; live, with
+    longer contexts, the drafted steps take 60 ms. A few drafted steps correct every width and the policy
+    stops drafting (a per-width table, which kept the start-up figure of each width until that width
+    was tried, drafted 19 of these 40 steps, trying the widths one after another)."""
+    widths = tuple(range(1, 9))
+    model = CostModel(max_rows=4, widths=widths)
+    model.seed({(4, w): 0.020 + 0.0007 * (w - 1) for w in widths}, {4: 0.003})
+    acceptance = [[0.5] * 7] * 4
+    chosen = []
+    for _ in range(40):
+        width = choose_width(acceptance, [7] * 4, widths, model.seconds).width
+        chosen.append(width)
+        real = 0.020 if width == 1 else 0.050 + 0.002 * (width - 1)
+        model.observe(4, width, real, 0.008 if width > 1 else 0.0)
+    assert chosen[0] > 1  # the start-up figures say drafting pays
+    assert sum(w > 1 for w in chosen) <= 5
+    assert all(w == 1 for w in chosen[-30:])
 
 
 def linear_cost(per_token: float, fixed: float, draft: float):
