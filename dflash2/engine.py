@@ -39,11 +39,18 @@ from dflash2.request import (
     mean_acceptance_length,
 )
 from dflash2.runner import ModelRunner
-from dflash2.sampling import LogitsContext, SamplingParams, check_token_ids, sample_from_probs, target_probs
+from dflash2.sampling import (
+    LogitsContext,
+    SamplingParams,
+    check_token_ids,
+    process_logits,
+    sample_from_probs,
+    target_probs,
+)
 from dflash2.scheduler import Scheduler
 from dflash2.selector import Proposal
 from dflash2.threads import ThreadGovernor
-from dflash2.verify import rejection_accept
+from dflash2.verify import greedy_accept, rejection_accept
 
 logger = logging.getLogger(__name__)
 
@@ -639,18 +646,23 @@ class Engine:
         slots, starts = [self._slot(r) for r in rows], [r.num_cached for r in rows]
         logits, features = self.runner.verify(slots, tokens, starts)
         allowed = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1, stats)
-        probs = target_probs(logits, self._logits_context(rows), draft_ids, allowed)
-        num_slots = self.block_size - 1
-        uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
-        num_accepted, next_ids = rejection_accept(
-            draft_ids,
-            proposal.candidate_ids[:, :width],
-            proposal.draft_probs[:, :width],
-            probs,
-            torch.tensor(num_drafts, device=self.device),
-            uniforms[:, :width],
-            uniforms[:, num_slots],
-        )
+        drafts_per_row = torch.tensor(num_drafts, device=self.device)
+        if all(r.params.is_greedy for r in rows):  # the same tokens, without the distributions
+            processed = process_logits(logits, self._logits_context(rows), draft_ids, allowed)
+            num_accepted, next_ids = greedy_accept(processed, draft_ids, drafts_per_row)
+        else:
+            probs = target_probs(logits, self._logits_context(rows), draft_ids, allowed)
+            num_slots = self.block_size - 1
+            uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
+            num_accepted, next_ids = rejection_accept(
+                draft_ids,
+                proposal.candidate_ids[:, :width],
+                proposal.draft_probs[:, :width],
+                probs,
+                drafts_per_row,
+                uniforms[:, :width],
+                uniforms[:, num_slots],
+            )
         stats.verify_time += time.perf_counter() - start
         return _Verified(
             slots, starts, logits, features, draft_lists, num_drafts, num_accepted.tolist(), next_ids.tolist()

@@ -290,11 +290,18 @@ def target_probs(
     Returns:
         ``[R, L, V]`` float32 target probabilities.
     """
+    return probs_from_logits(process_logits(logits, ctx, draft_ids, allowed), ctx.params)
+
+
+def process_logits(
+    logits: torch.Tensor, ctx: LogitsContext, draft_ids: torch.Tensor, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logits processors of :func:`target_probs` (penalties → bias / min_tokens → grammar mask),
+    without the distribution: ``[R, L, V]`` float32 (what a greedy row takes the argmax of)."""
     logits = logits.float()
     logits = apply_penalties(logits, ctx, draft_ids)
     logits = apply_bias_and_min_tokens(logits, ctx)
-    logits = apply_token_mask(logits, allowed)
-    return probs_from_logits(logits, ctx.params)
+    return apply_token_mask(logits, allowed)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

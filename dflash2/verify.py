@@ -63,3 +63,32 @@ def rejection_accept(
     residual = torch.where(was_rejected, (p_next - q_next).clamp(min=0.0), p_next)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     return num_accepted, sample_from_probs(residual, sample_uniforms)
+
+
+def greedy_accept(
+    target_logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_accept` for a batch of greedy rows, without building distributions: accept
+    while each draft is the target's argmax, then emit the argmax after the accepted prefix.
+
+    For greedy rows the target distribution is one-hot at the argmax (lowest index on ties, as
+    :func:`torch.argmax` picks) and the proposal one-hot at the draft, so rejection sampling accepts
+    draft j exactly when it equals that argmax, the residual at the first rejection is the one-hot
+    argmax, and so is the bonus: this gives the same tokens as the general rule, several full-vocabulary
+    passes cheaper per position (softmax, one-hot, cumulative sums).
+
+    Args:
+        target_logits: ``[R, J+1, V]`` processed target logits (penalties, bias and grammar masks
+            applied: :func:`dflash2.sampling.process_logits`).
+        draft_ids: ``[R, J]`` drafted tokens.
+        num_drafts: ``[R]`` int64, drafts to consider per row (≤ J).
+
+    Returns:
+        ``(num_accepted [R] int64, next_ids [R] int64)``, as :func:`rejection_accept`.
+    """
+    num_slots = draft_ids.shape[1]
+    target_ids = target_logits[:, : num_slots + 1].argmax(dim=-1)  # [R, J+1]
+    slots = torch.arange(num_slots, device=draft_ids.device)
+    accepted = (draft_ids == target_ids[:, :num_slots]) & (slots[None] < num_drafts[:, None])
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    return num_accepted, target_ids.gather(1, num_accepted[:, None]).squeeze(1)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from dflash2.verify import rejection_accept
+from dflash2.sampling import SamplingParams, probs_from_logits
+from dflash2.verify import greedy_accept, rejection_accept
 
 
 def _first_emitted(num_accepted, next_ids, draft_ids):
@@ -74,3 +75,30 @@ def test_greedy_rows_accept_the_matching_prefix():
     )
     assert num_accepted.tolist() == [2, 2]  # row 1 is limited to 2 drafts
     assert next_ids.tolist() == [1, 2]  # correction token, then the bonus at position 2
+
+
+def test_greedy_accept_gives_the_general_rules_tokens():
+    """The greedy shortcut against rejection sampling over the one-hot distributions the general path
+    builds (``probs_from_logits`` at T = 0, one-hot proposals), on random logits with many ties (a
+    small integer range), drafts that mostly match, and every draft limit including none."""
+    generator = torch.Generator().manual_seed(0)
+    num_rows, num_slots, vocab, k = 64, 5, 16, 4
+    logits = torch.randint(0, 4, (num_rows, num_slots + 1, vocab), generator=generator).float()
+    logits[5, :, 7] = float("-inf")  # a masked token (grammar) never wins
+    argmax = logits.argmax(dim=-1)
+    noise = torch.randint(0, vocab, (num_rows, num_slots), generator=generator)
+    keep = torch.rand(num_rows, num_slots, generator=generator) < 0.7
+    draft_ids = torch.where(keep, argmax[:, :num_slots], noise)
+    num_drafts = torch.randint(0, num_slots + 1, (num_rows,), generator=generator)
+    candidates = torch.cat([draft_ids[..., None], torch.randint(0, vocab, (num_rows, num_slots, k - 1))], dim=-1)
+    proposal = torch.zeros(num_rows, num_slots, k)
+    proposal[..., 0] = 1.0
+    probs = probs_from_logits(logits, [SamplingParams(temperature=0.0)] * num_rows)
+    zeros = torch.zeros(num_rows, num_slots)
+    expected = rejection_accept(draft_ids, candidates, proposal, probs, num_drafts, zeros, torch.zeros(num_rows))
+    accepted, next_ids = greedy_accept(logits, draft_ids, num_drafts)
+    assert accepted.tolist() == expected[0].tolist()
+    assert next_ids.tolist() == expected[1].tolist()
+    assert 0 < int((accepted > 0).sum()) < num_rows and int((accepted == num_drafts).sum()) > 0  # both cases occur
+    none = greedy_accept(logits[:, :1], draft_ids[:, :0], torch.zeros(num_rows, dtype=torch.long))
+    assert none[0].tolist() == [0] * num_rows and none[1].tolist() == argmax[:, 0].tolist()
