@@ -15,6 +15,12 @@ finish, bounded by ``max_tokens``). Per level:
   ``dflash2_spec_decode_num_accepted_tokens_per_pos_total``;
 - errors: non-200 answers, error events, broken streams and timeouts.
 
+All servers run at once and the levels are interleaved (c = 1 on every server, then c = 2, …), so
+a host that slows down or speeds up during the run shifts every server's figures at a level
+alike and the ratios between servers stay comparable (run one after the other, the same server
+configuration measured 160 and 225 tok/s at c = 8 in two runs an hour apart on a shared 2-core
+host). An idle server only waits for requests.
+
 Only loopback addresses are accepted: this is a load generator.
 """
 
@@ -30,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -395,35 +401,43 @@ def _model_name(url: str) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+def warm_up(url: str, prompts: list[Messages], config: BenchConfig) -> None:
+    """One request before measuring (first-request costs: tokenizer, allocator, caches)."""
+    asyncio.run(run_level(url, _model_name(url), prompts, 1, 1, config.serving_seconds, config.max_tokens, 0.0))
+
+
+def run_server_level(
+    config: BenchConfig, server: str, url: str, prompts: list[Messages], concurrency: int, progress: Progress
+) -> LevelResult:
+    """One concurrency level against ``url``, with τ from the server's ``/metrics`` over that level."""
+    before = scrape_counters(url)
+    results, seconds = asyncio.run(
+        run_level(
+            url,
+            _model_name(url),
+            prompts,
+            concurrency,
+            config.serving_requests,
+            config.serving_seconds,
+            config.max_tokens,
+            config.serving_temperature,
+        )
+    )
+    level = summarize_level(server, concurrency, results, seconds)
+    level.tau_metrics, level.acceptance_per_position = acceptance_from_counters(before, scrape_counters(url))
+    progress(
+        f"serving {server} c={concurrency}: {level.output_tokens_per_second:.1f} tok/s, "
+        f"TTFT p50 {level.ttft_p50_ms:.0f} ms, {level.num_errors} errors"
+    )
+    return level
+
+
 def load_server(
     config: BenchConfig, server: str, url: str, prompts: list[Messages], progress: Progress
 ) -> list[LevelResult]:
-    """Warm up once, then run every concurrency level against ``url``."""
-    model = _model_name(url)
-    asyncio.run(run_level(url, model, prompts, 1, 1, config.serving_seconds, config.max_tokens, 0.0))
-    levels = []
-    for concurrency in config.concurrency:
-        before = scrape_counters(url)
-        results, seconds = asyncio.run(
-            run_level(
-                url,
-                model,
-                prompts,
-                concurrency,
-                config.serving_requests,
-                config.serving_seconds,
-                config.max_tokens,
-                config.serving_temperature,
-            )
-        )
-        level = summarize_level(server, concurrency, results, seconds)
-        level.tau_metrics, level.acceptance_per_position = acceptance_from_counters(before, scrape_counters(url))
-        levels.append(level)
-        progress(
-            f"serving {server} c={concurrency}: {level.output_tokens_per_second:.1f} tok/s, "
-            f"TTFT p50 {level.ttft_p50_ms:.0f} ms, {level.num_errors} errors"
-        )
-    return levels
+    """Warm up once, then run every concurrency level against ``url`` (one server alone)."""
+    warm_up(url, prompts, config)
+    return [run_server_level(config, server, url, prompts, c, progress) for c in config.concurrency]
 
 
 def add_serving_speedups(levels: list[LevelResult]) -> None:
@@ -434,7 +448,8 @@ def add_serving_speedups(levels: list[LevelResult]) -> None:
 
 
 def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, progress: Progress) -> ServingResult:
-    """The serving benchmark over every server of ``server_specs(config)``."""
+    """The serving benchmark over every server of ``server_specs(config)``: all servers started (or
+    reached) first, then each concurrency level on every server in turn."""
     result = ServingResult()
     if config.url is not None and not is_loopback_url(config.url):
         result.notes.append(f"--url {config.url} is not a loopback address; the serving benchmark only loads loopback")
@@ -443,24 +458,48 @@ def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, pro
     specs = server_specs(config)
     if not specs:
         result.notes.append("no engine method selected (ar, dflash, dflash2): no server to load")
-    for spec in specs:
-        if spec.url is None and spec.block_size > 1 and config.engine.model is not None and not config.engine.drafter:
-            result.notes.append(f"{spec.id}: needs --drafter for this model; not served")
-            continue
-        try:
-            if spec.url is not None:
-                result.levels += load_server(config, spec.id, spec.url, prompts, progress)
-                result.servers[spec.id] = {"url": spec.url}
+    errors = (RuntimeError, httpx.HTTPError, OSError)
+    with ExitStack() as stack:
+        urls: dict[str, str] = {}
+        started: dict[str, RunningServer] = {}
+        for spec in specs:
+            if (
+                spec.url is None
+                and spec.block_size > 1
+                and config.engine.model is not None
+                and not config.engine.drafter
+            ):
+                result.notes.append(f"{spec.id}: needs --drafter for this model; not served")
                 continue
-            with started_server(config, spec, log_dir / f"serve-{spec.id}.log") as server:
-                progress(f"started dflash2 serve for {spec.id} at {server.url} (pid {server.process.pid})")
-                result.levels += load_server(config, spec.id, server.url, prompts, progress)
+            try:
+                if spec.url is None:
+                    server = stack.enter_context(started_server(config, spec, log_dir / f"serve-{spec.id}.log"))
+                    progress(f"started dflash2 serve for {spec.id} at {server.url} (pid {server.process.pid})")
+                    started[spec.id] = server
+                urls[spec.id] = spec.url or started[spec.id].url
+                warm_up(urls[spec.id], prompts, config)
+            except errors as exc:
+                urls.pop(spec.id, None)
+                result.notes.append(f"{spec.id}: {str(exc).splitlines()[0]}")
+                progress(f"serving {spec.id} failed: {exc}")
+        for concurrency in config.concurrency:
+            for server_id, url in list(urls.items()):
+                try:
+                    result.levels.append(run_server_level(config, server_id, url, prompts, concurrency, progress))
+                except errors as exc:
+                    del urls[server_id]  # no further levels for a server that failed
+                    result.notes.append(f"{server_id}: {str(exc).splitlines()[0]}")
+                    progress(f"serving {server_id} failed: {exc}")
+        for spec in specs:
+            if spec.id in started:
+                server = started[spec.id]
                 result.servers[spec.id] = {
                     "command": " ".join(["dflash2", *server.command[3:]]),
                     "peak_rss_bytes": process_peak_rss_bytes(server.process.pid),
                 }
-        except (RuntimeError, httpx.HTTPError, OSError) as exc:
-            result.notes.append(f"{spec.id}: {str(exc).splitlines()[0]}")
-            progress(f"serving {spec.id} failed: {exc}")
+            elif spec.url is not None:
+                result.servers[spec.id] = {"url": spec.url}
+    order = {spec.id: i for i, spec in enumerate(specs)}
+    result.levels.sort(key=lambda level: (order.get(level.server, len(order)), level.concurrency))
     add_serving_speedups(result.levels)
     return result

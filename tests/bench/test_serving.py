@@ -159,3 +159,42 @@ def test_startup_table_reports_ready_and_compiled_times() -> None:
     table = "\n".join(startup_table(results))
     assert "| cold | 90.5 | yes | t 60.0 s |" in table and "not ready within 1800 s" in table
     assert startup_table({}) == []
+
+
+def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every server is up before the first level; then c = 1 on each server, c = 2 on each, …; the
+    report keeps the servers' order. A server that fails a level is dropped from later ones."""
+    import contextlib
+
+    from dflash2.bench import serving
+
+    calls: list[tuple[str, int]] = []
+    running: set[str] = set()
+
+    @contextlib.contextmanager
+    def fake_server(config, spec, log_path, extra_args=()):
+        running.add(spec.id)
+        yield serving.RunningServer(f"http://127.0.0.1:1/{spec.id}", type("P", (), {"pid": 1})(), ["py", "-m", "x"])
+        running.discard(spec.id)
+
+    def fake_level(config, server, url, prompts, concurrency, progress):
+        assert running == {"ar", "dflash2-b8"}  # both servers are up for every level
+        calls.append((server, concurrency))
+        if server == "ar" and concurrency == 4:
+            raise RuntimeError("the server went away")
+        return serving.summarize_level(server, concurrency, [], 1.0)
+
+    monkeypatch.setattr(serving, "started_server", fake_server)
+    monkeypatch.setattr(serving, "warm_up", lambda url, prompts, config: None)
+    monkeypatch.setattr(serving, "run_server_level", fake_level)
+    monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
+    config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(1, 2, 4, 8))
+    result = serving.run_serving(config, [], tmp_path, lambda _: None)
+    assert calls == [
+        ("ar", 1), ("dflash2-b8", 1), ("ar", 2), ("dflash2-b8", 2), ("ar", 4), ("dflash2-b8", 4), ("dflash2-b8", 8)
+    ]  # fmt: skip
+    assert [(lv.server, lv.concurrency) for lv in result.levels] == [
+        ("ar", 1), ("ar", 2), ("dflash2-b8", 1), ("dflash2-b8", 2), ("dflash2-b8", 4), ("dflash2-b8", 8)
+    ]  # fmt: skip
+    assert result.notes == ["ar: the server went away"]
+    assert set(result.servers) == {"ar", "dflash2-b8"} and not running
