@@ -17,9 +17,9 @@ finish, bounded by ``max_tokens``). Per level:
 
 All servers run at once and the levels are interleaved (c = 1 on every server, then c = 2, …), so
 a host that slows down or speeds up during the run shifts every server's figures at a level
-alike and the ratios between servers stay comparable (run one after the other, the same server
-configuration measured 160 and 225 tok/s at c = 8 in two runs an hour apart on a shared 2-core
-host). An idle server only waits for requests.
+alike and the ratios between servers stay comparable (run one after the other, the autoregressive
+server measured 160 and 225 tok/s at c = 8 in two runs 15 minutes apart on a shared 2-core host).
+An idle server only waits for requests.
 
 Only loopback addresses are accepted: this is a load generator.
 """
