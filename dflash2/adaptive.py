@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Starting acceptance per draft position before anything is observed: optimistic enough that the
 # first steps speculate (and so measure acceptance).
@@ -61,6 +62,13 @@ def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
     return total
 
 
+def observed_positions(num_drafts: int, num_accepted: int) -> list[tuple[int, float]]:
+    """What a verify step with ``num_drafts`` drafts and ``num_accepted`` accepted tells about each
+    draft position: ``(i, 1.0)`` for the accepted ones, ``(i, 0.0)`` for the first rejected one (if
+    drafted); later positions were not reached, so they are not observed."""
+    return [(i, 1.0 if i < num_accepted else 0.0) for i in range(min(num_accepted + 1, num_drafts))]
+
+
 @dataclass
 class AcceptanceEstimate:
     """Per-position conditional acceptance, updated from verify outcomes by exponential averaging.
@@ -76,8 +84,7 @@ class AcceptanceEstimate:
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """A verify step with ``num_drafts`` drafts accepted ``num_accepted``: positions before it were
         accepted, the one after it (if drafted) rejected; later positions are not observed."""
-        for i in range(min(num_accepted + 1, num_drafts)):
-            seen = 1.0 if i < num_accepted else 0.0
+        for i, seen in observed_positions(num_drafts, num_accepted):
             self.values[i] += self.alpha * (seen - self.values[i])
 
     def relax(self, toward: Sequence[float], rate: float = RELAX_RATE) -> None:
@@ -122,9 +129,9 @@ class AcceptanceTracker:
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One row's verify outcome (see :meth:`AcceptanceEstimate.observe`)."""
         self.recent.observe(num_drafts, num_accepted)
-        for i in range(min(num_accepted + 1, num_drafts)):
+        for i, seen in observed_positions(num_drafts, num_accepted):
             self._observed[i] += 1.0
-            self._accepted[i] += 1.0 if i < num_accepted else 0.0
+            self._accepted[i] += seen
 
     def idle_step(self, rate: float = RELAX_RATE) -> None:
         """A decode step where no row drafted: move the recent estimate ``rate`` of the way to the long run."""
@@ -172,14 +179,16 @@ class CostModel:
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
         """Fold one step's measured timings into the factors of its row count."""
         drafted = width > 1
-        base = self.verify.get((rows, width), 0.0)
-        if base > 0 and math.isfinite(base):
-            scale = self.verify_scale.get((rows, drafted), 1.0)
-            self.verify_scale[(rows, drafted)] = scale + COST_ALPHA * (verify_seconds / base - scale)
-        base = self.draft.get(rows, 0.0)
-        if drafted and base > 0 and math.isfinite(base):
-            scale = self.draft_scale.get(rows, 1.0)
-            self.draft_scale[rows] = scale + COST_ALPHA * (draft_seconds / base - scale)
+        _learn_scale(self.verify_scale, (rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0))
+        if drafted:
+            _learn_scale(self.draft_scale, rows, draft_seconds, self.draft.get(rows, 0.0))
+
+
+def _learn_scale(scales: dict[Any, float], key: Any, measured: float, base: float) -> None:
+    """Move ``scales[key]`` (1 until learned) a ``COST_ALPHA`` step toward ``measured ÷ base``."""
+    if base > 0 and math.isfinite(base):
+        scale = scales.get(key, 1.0)
+        scales[key] = scale + COST_ALPHA * (measured / base - scale)
 
 
 def _interpolate(known: dict[int, float], rows: int) -> float:

@@ -401,20 +401,27 @@ def _model_name(url: str) -> str:
     return str(response.json()["data"][0]["id"])
 
 
-def warm_up(url: str, prompts: list[Messages], config: BenchConfig) -> None:
+def warm_up(url: str, model: str, prompts: list[Messages], config: BenchConfig) -> None:
     """One request before measuring (first-request costs: tokenizer, allocator, caches)."""
-    asyncio.run(run_level(url, _model_name(url), prompts, 1, 1, config.serving_seconds, config.max_tokens, 0.0))
+    asyncio.run(run_level(url, model, prompts, 1, 1, config.serving_seconds, config.max_tokens, 0.0))
 
 
 def run_server_level(
-    config: BenchConfig, server: str, url: str, prompts: list[Messages], concurrency: int, progress: Progress
+    config: BenchConfig,
+    server: str,
+    url: str,
+    model: str,
+    prompts: list[Messages],
+    concurrency: int,
+    progress: Progress,
 ) -> LevelResult:
-    """One concurrency level against ``url``, with τ from the server's ``/metrics`` over that level."""
+    """One concurrency level against ``url`` (serving ``model``), with τ from the server's
+    ``/metrics`` over that level."""
     before = scrape_counters(url)
     results, seconds = asyncio.run(
         run_level(
             url,
-            _model_name(url),
+            model,
             prompts,
             concurrency,
             config.serving_requests,
@@ -430,14 +437,6 @@ def run_server_level(
         f"TTFT p50 {level.ttft_p50_ms:.0f} ms, {level.num_errors} errors"
     )
     return level
-
-
-def load_server(
-    config: BenchConfig, server: str, url: str, prompts: list[Messages], progress: Progress
-) -> list[LevelResult]:
-    """Warm up once, then run every concurrency level against ``url`` (one server alone)."""
-    warm_up(url, prompts, config)
-    return [run_server_level(config, server, url, prompts, c, progress) for c in config.concurrency]
 
 
 def add_serving_speedups(levels: list[LevelResult]) -> None:
@@ -459,8 +458,13 @@ def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, pro
     if not specs:
         result.notes.append("no engine method selected (ar, dflash, dflash2): no server to load")
     errors = (RuntimeError, httpx.HTTPError, OSError)
+
+    def failed(server_id: str, exc: BaseException) -> None:
+        result.notes.append(f"{server_id}: {str(exc).splitlines()[0]}")
+        progress(f"serving {server_id} failed: {exc}")
+
     with ExitStack() as stack:
-        urls: dict[str, str] = {}
+        reached: dict[str, tuple[str, str]] = {}  # server id → (url, model name)
         started: dict[str, RunningServer] = {}
         for spec in specs:
             if (
@@ -476,20 +480,20 @@ def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, pro
                     server = stack.enter_context(started_server(config, spec, log_dir / f"serve-{spec.id}.log"))
                     progress(f"started dflash2 serve for {spec.id} at {server.url} (pid {server.process.pid})")
                     started[spec.id] = server
-                urls[spec.id] = spec.url or started[spec.id].url
-                warm_up(urls[spec.id], prompts, config)
+                url = spec.url or started[spec.id].url
+                model = _model_name(url)
+                warm_up(url, model, prompts, config)
+                reached[spec.id] = (url, model)
             except errors as exc:
-                urls.pop(spec.id, None)
-                result.notes.append(f"{spec.id}: {str(exc).splitlines()[0]}")
-                progress(f"serving {spec.id} failed: {exc}")
+                failed(spec.id, exc)
         for concurrency in config.concurrency:
-            for server_id, url in list(urls.items()):
+            for server_id, (url, model) in list(reached.items()):
                 try:
-                    result.levels.append(run_server_level(config, server_id, url, prompts, concurrency, progress))
+                    level = run_server_level(config, server_id, url, model, prompts, concurrency, progress)
+                    result.levels.append(level)
                 except errors as exc:
-                    del urls[server_id]  # no further levels for a server that failed
-                    result.notes.append(f"{server_id}: {str(exc).splitlines()[0]}")
-                    progress(f"serving {server_id} failed: {exc}")
+                    del reached[server_id]  # no further levels for a server that failed
+                    failed(server_id, exc)
         for spec in specs:
             if spec.id in started:
                 server = started[spec.id]

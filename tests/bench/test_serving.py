@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash2.bench import serving
 from dflash2.bench.config import BenchConfig
 from dflash2.bench.serving import (
     RequestResult,
@@ -15,7 +16,6 @@ from dflash2.bench.serving import (
     acceptance_from_counters,
     add_serving_speedups,
     is_loopback_url,
-    load_server,
     process_peak_rss_bytes,
     run_serving,
     serve_command,
@@ -127,7 +127,9 @@ def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Pa
     messages = [[{"role": "user", "content": "Hello"}]]
     with started_server(config, ServerSpec("ar", 1), tmp_path / "serve.log") as server:
         assert server.url.startswith("http://127.0.0.1:")
-        levels = load_server(config, "ar", server.url, messages, lambda _: None)
+        model = serving._model_name(server.url)
+        serving.warm_up(server.url, model, messages, config)
+        levels = [serving.run_server_level(config, "ar", server.url, model, messages, 1, lambda _: None)]
         assert (process_peak_rss_bytes(server.process.pid) or 0) > 10e6
     assert server.process.returncode is not None  # stopped (SIGTERM, drained)
     assert len(levels) == 1 and levels[0].num_errors == 0, levels[0].errors
@@ -166,8 +168,6 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
     report keeps the servers' order. A server that fails a level is dropped from later ones."""
     import contextlib
 
-    from dflash2.bench import serving
-
     calls: list[tuple[str, int]] = []
     running: set[str] = set()
 
@@ -177,7 +177,7 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
         yield serving.RunningServer(f"http://127.0.0.1:1/{spec.id}", type("P", (), {"pid": 1})(), ["py", "-m", "x"])
         running.discard(spec.id)
 
-    def fake_level(config, server, url, prompts, concurrency, progress):
+    def fake_level(config, server, url, model, prompts, concurrency, progress):
         assert running == {"ar", "dflash2-b8"}  # both servers are up for every level
         calls.append((server, concurrency))
         if server == "ar" and concurrency == 4:
@@ -185,7 +185,8 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
         return serving.summarize_level(server, concurrency, [], 1.0)
 
     monkeypatch.setattr(serving, "started_server", fake_server)
-    monkeypatch.setattr(serving, "warm_up", lambda url, prompts, config: None)
+    monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
+    monkeypatch.setattr(serving, "_model_name", lambda url: "m")
     monkeypatch.setattr(serving, "run_server_level", fake_level)
     monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
     config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(1, 2, 4, 8))
