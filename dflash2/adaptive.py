@@ -9,7 +9,7 @@ For each candidate W the policy predicts
 
     rate(W) = Σ_r E_r[committed tokens | W − 1 drafts] / T(R, W)
 
-and takes the best, where
+and takes the best (a drafted width only when it beats W = 1 by ``SPECULATION_MARGIN``), where
 
 - ``E_r[k] = 1 + Σ_{j=1..k} Π_{i≤j} a_r,i`` with ``a_r,i`` row r's estimated probability that draft
   i is accepted when drafts 1 … i−1 were (an exponentially weighted average of its own verify
@@ -22,7 +22,8 @@ and takes the best, where
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
   drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
   machine and shapes (``ModelRunner.measure_costs``) and scaled, per row count, by what live steps
-  measure (:class:`CostModel`).
+  measure (:class:`CostModel`); the drafter's share includes writing the context committed since a
+  row last drafted.
 
 Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
 block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
@@ -36,7 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 # Starting acceptance per draft position before anything is observed: optimistic enough that the
 # first steps speculate (and so measure acceptance).
@@ -49,6 +49,11 @@ GLOBAL_ALPHA = 0.05  # weight of any row's outcome in the engine-wide estimate
 # The long-run acceptance starts as this many observations at PRIOR_ACCEPTANCE per position.
 PRIOR_OBSERVATIONS = 20
 COST_ALPHA = 0.1  # weight of a new step timing in the cost table
+# Drafting is chosen only when its predicted rate beats the autoregressive step's by this fraction.
+# The predictions carry errors of about this size (measured at 8 rows: step times 10–15 % above the
+# prediction while a row count's cost factors were still being learned); a smaller predicted gain
+# is as likely a loss, and at batch 1, where drafting pays, the predicted gain is 30–50 %.
+SPECULATION_MARGIN = 0.1
 
 
 def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
@@ -149,7 +154,8 @@ class CostModel:
     for the drafter, each an exponential average of measured ÷ start-up seconds. So one step at W = 5
     corrects the prediction for every W ≥ 2 at that row count (longer contexts than at start-up, a
     slower host, another thread count), instead of the policy trusting the optimistic start-up figure
-    of each width it has not tried yet — which made it draft under load, where drafting loses.
+    of each width it has not tried yet — which made it draft under load, where drafting loses. A row
+    count that has not drafted yet borrows drafting's factors (:meth:`seconds`).
     """
 
     max_rows: int
@@ -169,26 +175,49 @@ class CostModel:
             self.draft[rows] = _interpolate(draft, rows)
 
     def seconds(self, rows: int, width: int) -> float:
-        """Predicted seconds of a step (inf when never measured)."""
-        drafted = width > 1
-        verify = self.verify.get((rows, width), math.inf) * self.verify_scale.get((rows, drafted), 1.0)
-        if not drafted:
+        """Predicted seconds of a step (inf when never measured).
+
+        A drafted step's factors, until learned, are borrowed: the verify factor from the
+        autoregressive steps at the same row count (the machine is that much slower or faster at that
+        batch), the drafter's from the mean of the row counts that have drafted (its live cost, context
+        writes included, is about the same multiple of the start-up timing at every row count). So a
+        row count the policy has not drafted at is not predicted from the optimistic start-up figures
+        alone. Borrowing only ever goes toward drafting's costs: an autoregressive step keeps its own
+        factor, or it would rise with drafting's and drafting would never look worse.
+        """
+        verify = self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
+        if width == 1:
             return verify
-        return verify + self.draft.get(rows, math.inf) * self.draft_scale.get(rows, 1.0)
+        return verify + self.draft.get(rows, math.inf) * self._draft_factor(rows)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
-        """Fold one step's measured timings into the factors of its row count."""
+        """Fold one step's measured timings into the factors of its row count (a factor learned for
+        the first time starts from the value it borrowed)."""
         drafted = width > 1
-        _learn_scale(self.verify_scale, (rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0))
+        self.verify_scale[(rows, drafted)] = _learned(
+            self._verify_factor(rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0)
+        )
         if drafted:
-            _learn_scale(self.draft_scale, rows, draft_seconds, self.draft.get(rows, 0.0))
+            self.draft_scale[rows] = _learned(self._draft_factor(rows), draft_seconds, self.draft.get(rows, 0.0))
+
+    def _verify_factor(self, rows: int, drafted: bool) -> float:
+        if drafted and (rows, True) not in self.verify_scale:
+            return self.verify_scale.get((rows, False), 1.0)
+        return self.verify_scale.get((rows, drafted), 1.0)
+
+    def _draft_factor(self, rows: int) -> float:
+        if rows in self.draft_scale:
+            return self.draft_scale[rows]
+        if self.draft_scale:
+            return sum(self.draft_scale.values()) / len(self.draft_scale)
+        return 1.0
 
 
-def _learn_scale(scales: dict[Any, float], key: Any, measured: float, base: float) -> None:
-    """Move ``scales[key]`` (1 until learned) a ``COST_ALPHA`` step toward ``measured ÷ base``."""
+def _learned(scale: float, measured: float, base: float) -> float:
+    """``scale`` moved a ``COST_ALPHA`` step toward ``measured ÷ base`` (unchanged without a base)."""
     if base > 0 and math.isfinite(base):
-        scale = scales.get(key, 1.0)
-        scales[key] = scale + COST_ALPHA * (measured / base - scale)
+        return scale + COST_ALPHA * (measured / base - scale)
+    return scale
 
 
 def _interpolate(known: dict[int, float], rows: int) -> float:
@@ -228,8 +257,10 @@ def choose_width(
     widths: Sequence[int],
     seconds: Callable[[int, int], float],
     min_width: int = 1,
+    margin: float = SPECULATION_MARGIN,
 ) -> WidthChoice:
-    """The verify width that maximises predicted committed tokens per second.
+    """The verify width that maximises predicted committed tokens per second, where drafting must
+    beat the autoregressive step (W = 1) by ``margin``.
 
     Args:
         acceptance: per row, conditional acceptance per draft position.
@@ -237,6 +268,8 @@ def choose_width(
         widths: candidate widths (each 1 … B).
         seconds: ``seconds(R, W)``, the predicted step time.
         min_width: the narrowest allowed (B when a seeded sampled row needs its full block).
+        margin: the fraction by which a drafted width's predicted rate must exceed W = 1's
+            (``SPECULATION_MARGIN``; only when W = 1 is allowed).
 
     Returns:
         The choice; ties go to the narrower width (less compute for the same rate).
@@ -254,4 +287,6 @@ def choose_width(
         cost = seconds(rows, width)
         rates[width] = tokens[width] / cost if cost > 0 else math.inf
     best = max(rates, key=lambda w: (rates[w], -w))
+    if best > 1 and 1 in rates and rates[best] < rates[1] * (1.0 + margin):
+        best = 1
     return WidthChoice(best, tokens[best], rates)

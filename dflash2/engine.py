@@ -474,9 +474,9 @@ class Engine:
         pending = [r for r in requests if r.pending_context and r.slot is not None]
         if not pending or self.drafter is None:
             return
-        segments = [torch.cat([f for _, f in r.pending_context]) for r in pending]
+        segments = [r.pending_context.features() for r in pending]
         features = torch.nn.utils.rnn.pad_sequence(segments, batch_first=True)
-        starts = [r.pending_context[0][0] for r in pending]
+        starts = [r.pending_context.start for r in pending]
         self.runner.append_context([self._slot(r) for r in pending], starts, features, [len(f) for f in segments])
         for request in pending:
             request.pending_context.clear()
@@ -567,7 +567,9 @@ class Engine:
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
         if self.is_speculative and width > 1:
-            self._write_context(rows)
+            start = time.perf_counter()
+            self._write_context(rows)  # drafting's cost too: the cost model must see it
+            stats.draft_time += time.perf_counter() - start
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)
@@ -696,11 +698,16 @@ class Engine:
         if self.is_speculative and verified.features is not None:
             # The anchor's and accepted drafts' features become drafter context (spec §5.4), written
             # when the row drafts next (a step without drafts needs none) or when it ends.
+            # One copy of the committed rows for the whole step (a CUDA graph overwrites its outputs at
+            # the next replay); each request keeps a view of its part.
+            counts = [acc + 1 for acc in verified.num_accepted]
+            offsets = torch.arange(verified.features.shape[1], device=self.device)
+            keep = offsets[None] < torch.tensor(counts, device=self.device)[:, None]
+            kept = verified.features[keep].split(counts)
             for i, request in enumerate(rows):
                 if request.finish_reason is not FinishReason.ABORT:
-                    features = verified.features[i, : verified.num_accepted[i] + 1].clone()
-                    request.pending_context.append((verified.starts[i], features))
-            self._write_context([r for r in rows if sum(len(f) for _, f in r.pending_context) >= MAX_PENDING_CONTEXT])
+                    request.pending_context.add(verified.starts[i], kept[i])
+            self._write_context([r for r in rows if r.pending_context.num_tokens >= MAX_PENDING_CONTEXT])
         return outputs
 
     @staticmethod

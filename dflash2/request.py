@@ -48,6 +48,43 @@ class TokenLogprob:
 
 
 @dataclass
+class PendingContext:
+    """Committed tokens' target features not yet written as drafter context (spec §5.4).
+
+    A verify step appends the features of the tokens it committed (always contiguous positions);
+    they are written in one call just before the request drafts again, or when it ends, so steps
+    without drafts skip the drafter entirely.
+
+    Attributes:
+        start: the position of the first pending token (meaningless while empty).
+        chunks: ``[n_i, F·H]`` feature rows, in position order.
+        num_tokens: Σ n_i.
+    """
+
+    start: int = 0
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
+
+    def add(self, start: int, features: torch.Tensor) -> None:
+        """Append ``features [n, F·H]`` of the tokens at positions ``start ..``."""
+        if not self.chunks:
+            self.start = start
+        self.chunks.append(features)
+        self.num_tokens += len(features)
+
+    def features(self) -> torch.Tensor:
+        """All pending rows, ``[num_tokens, F·H]``."""
+        return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.num_tokens = 0
+
+
+@dataclass
 class Request:
     """One generation request and everything the engine tracks for it.
 
@@ -62,9 +99,7 @@ class Request:
     detokenizer: Any
     matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
     acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
-    # Committed tokens' target features not yet written as drafter context: (first position, [n, F·H]).
-    # Written just before the request drafts again (or when it ends), so steps without drafts skip it.
-    pending_context: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pending_context: PendingContext = field(default_factory=PendingContext)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -154,7 +189,8 @@ class StepStats:
         drafted_per_position: length B−1; count of drafts verified at each draft slot.
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
-        draft_time, select_time, verify_time, total_time: seconds.
+        draft_time, select_time, verify_time, total_time: seconds; draft_time includes writing the
+            drafter context committed since the rows last drafted (part of what drafting costs).
         grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
         verify_width: tokens per row of the step's verify forward (1: no drafts; 0: no decode step).
         draft_lengths: per decode row, the drafts it verified (adaptive speculation chooses them).

@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from dflash2.adaptive import AcceptanceEstimate, AcceptanceTracker, CostModel, choose_width, expected_tokens
+from dflash2.adaptive import (
+    SPECULATION_MARGIN,
+    AcceptanceEstimate,
+    AcceptanceTracker,
+    CostModel,
+    choose_width,
+    expected_tokens,
+)
 
 
 def test_expected_tokens_is_one_plus_the_survival_sums():
@@ -99,11 +106,28 @@ def test_a_live_step_rescales_every_drafted_width_at_its_row_count():
     assert model.seconds(2, 2) == pytest.approx(0.040 * scale + 0.008 * scale)  # a width never run: rescaled too
     assert model.seconds(2, 4) == pytest.approx(0.080 * scale + 0.008 * scale)
     assert model.seconds(2, 1) == pytest.approx(0.020)  # autoregressive steps have their own factor
-    assert model.seconds(1, 4) == pytest.approx(0.040 + 0.005)  # and so does every row count
+    # Another row count keeps its own verify factor but borrows the drafter's until it drafts itself.
+    assert model.seconds(1, 4) == pytest.approx(0.040 + 0.005 * scale)
+    model.observe(1, 4, verify_seconds=0.040, draft_seconds=0.005)  # learning starts from the borrowed factor
+    assert model.seconds(1, 4) == pytest.approx(0.040 + 0.005 * (scale + 0.1 * (1 - scale)))
     for _ in range(100):
         model.observe(2, 1, verify_seconds=0.030, draft_seconds=0.0)
     assert model.seconds(2, 1) == pytest.approx(0.030, rel=1e-4)
     assert model.seconds(2, 4) == pytest.approx(0.080 * scale + 0.008 * scale)  # no drafter run: unchanged
+
+
+def test_a_row_count_that_never_drafted_borrows_drafting_costs_but_never_lends_them():
+    model = CostModel(max_rows=4, widths=(1, 4))
+    model.seed({(r, w): 0.010 * r * w for r in (1, 4) for w in (1, 4)}, {1: 0.002, 4: 0.005})
+    for _ in range(100):  # autoregressive steps at 3 rows run 1.5× their start-up time
+        model.observe(3, 1, verify_seconds=0.045, draft_seconds=0.0)
+    assert model.seconds(3, 4) == pytest.approx(1.5 * 0.120 + 0.004, rel=1e-3)  # the verify factor is borrowed
+    for _ in range(100):  # drafted steps at 3 rows: the verify forward at its start-up time, the drafter 2×
+        model.observe(3, 4, verify_seconds=0.120, draft_seconds=0.008)
+    assert model.seconds(3, 4) == pytest.approx(0.120 + 0.008, rel=1e-3)  # learned: its own factors now
+    assert model.seconds(3, 1) == pytest.approx(0.045, rel=1e-3)  # autoregressive steps never borrow
+    assert model.seconds(2, 4) == pytest.approx(0.080 + 2 * 0.003, rel=1e-3)  # the drafter's factor is borrowed
+    assert model.seconds(2, 1) == pytest.approx(0.020)
 
 
 def test_optimistic_start_up_costs_under_load_are_corrected_and_drafting_stops():
@@ -159,6 +183,18 @@ def test_the_width_is_the_rate_maximiser_between_the_extremes():
 def test_rows_near_their_limits_make_wide_blocks_pointless():
     cost = linear_cost(0.001, 0.005, 0.0005)
     assert choose_width([GOOD] * 4, [1] * 4, range(1, 9), cost).width == 2
+
+
+def test_drafting_must_beat_the_autoregressive_step_by_the_margin():
+    """One row, 20 ms per step whatever the width plus 2 ms for the drafter: W = 2 with acceptance a
+    commits 1 + a tokens in 22 ms against 1 token in 20 ms, a predicted gain of (1 + a) / 1.1 − 1."""
+    cost = lambda rows, width: 0.020 + (0.002 if width > 1 else 0.0)  # noqa: E731
+    small_gain = [[0.15] + [0.0] * 6]  # +4.5 %
+    assert choose_width(small_gain, [7], range(1, 9), cost).width == 1
+    assert choose_width(small_gain, [7], range(1, 9), cost, margin=0.0).width == 2
+    clear_gain = [[0.3] + [0.0] * 6]  # +18 %
+    assert choose_width(clear_gain, [7], range(1, 9), cost).width == 2
+    assert SPECULATION_MARGIN == 0.1
 
 
 def test_min_width_keeps_the_full_block():
