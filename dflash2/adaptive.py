@@ -22,8 +22,7 @@ and takes the best (a drafted width only when it beats W = 1 by ``SPECULATION_MA
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
   drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
   machine and shapes (``ModelRunner.measure_costs``) and scaled, per row count, by what live steps
-  measure (:class:`CostModel`); the drafter's share includes writing the context committed since a
-  row last drafted.
+  measure (:class:`CostModel`).
 
 Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
 block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
@@ -179,8 +178,8 @@ class CostModel:
 
         A drafted step's factors, until learned, are borrowed: the verify factor from the
         autoregressive steps at the same row count (the machine is that much slower or faster at that
-        batch), the drafter's from the mean of the row counts that have drafted (its live cost, context
-        writes included, is about the same multiple of the start-up timing at every row count). So a
+        batch), the drafter's from the mean of the row counts that have drafted (its live cost is about
+        the same multiple of the start-up timing at every row count). So a
         row count the policy has not drafted at is not predicted from the optimistic start-up figures
         alone. Borrowing only ever goes toward drafting's costs: an autoregressive step keeps its own
         factor, or it would rise with drafting's and drafting would never look worse.

@@ -567,9 +567,9 @@ class Engine:
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
         if self.is_speculative and width > 1:
-            start = time.perf_counter()
-            self._write_context(rows)  # drafting's cost too: the cost model must see it
-            stats.draft_time += time.perf_counter() - start
+            # Not part of the drafted step's cost: this backlog is written whenever the rows draft next,
+            # and charging it here made each draft after a pause look dearer, so the policy paused longer.
+            self._write_context(rows)
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)

@@ -189,8 +189,7 @@ class StepStats:
         drafted_per_position: length B−1; count of drafts verified at each draft slot.
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
-        draft_time, select_time, verify_time, total_time: seconds; draft_time includes writing the
-            drafter context committed since the rows last drafted (part of what drafting costs).
+        draft_time, select_time, verify_time, total_time: seconds.
         grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
         verify_width: tokens per row of the step's verify forward (1: no drafts; 0: no decode step).
         draft_lengths: per decode row, the drafts it verified (adaptive speculation chooses them).
