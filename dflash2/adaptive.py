@@ -9,7 +9,7 @@ For each candidate W the policy predicts
 
     rate(W) = Σ_r E_r[committed tokens | W − 1 drafts] / T(R, W)
 
-and takes the best (a drafted width only when it beats W = 1 by ``SPECULATION_MARGIN``), where
+and takes the best, where
 
 - ``E_r[k] = 1 + Σ_{j=1..k} Π_{i≤j} a_r,i`` with ``a_r,i`` row r's estimated probability that draft
   i is accepted when drafts 1 … i−1 were (an exponentially weighted average of its own verify
@@ -48,11 +48,6 @@ GLOBAL_ALPHA = 0.05  # weight of any row's outcome in the engine-wide estimate
 # The long-run acceptance starts as this many observations at PRIOR_ACCEPTANCE per position.
 PRIOR_OBSERVATIONS = 20
 COST_ALPHA = 0.1  # weight of a new step timing in the cost table
-# Drafting is chosen only when its predicted rate beats the autoregressive step's by this fraction.
-# The predictions carry errors of about this size (measured at 8 rows: step times 10–15 % above the
-# prediction while a row count's cost factors were still being learned); a smaller predicted gain
-# is as likely a loss, and at batch 1, where drafting pays, the predicted gain is 30–50 %.
-SPECULATION_MARGIN = 0.1
 
 
 def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
@@ -256,10 +251,8 @@ def choose_width(
     widths: Sequence[int],
     seconds: Callable[[int, int], float],
     min_width: int = 1,
-    margin: float = SPECULATION_MARGIN,
 ) -> WidthChoice:
-    """The verify width that maximises predicted committed tokens per second, where drafting must
-    beat the autoregressive step (W = 1) by ``margin``.
+    """The verify width that maximises predicted committed tokens per second.
 
     Args:
         acceptance: per row, conditional acceptance per draft position.
@@ -267,8 +260,6 @@ def choose_width(
         widths: candidate widths (each 1 … B).
         seconds: ``seconds(R, W)``, the predicted step time.
         min_width: the narrowest allowed (B when a seeded sampled row needs its full block).
-        margin: the fraction by which a drafted width's predicted rate must exceed W = 1's
-            (``SPECULATION_MARGIN``; only when W = 1 is allowed).
 
     Returns:
         The choice; ties go to the narrower width (less compute for the same rate).
@@ -286,6 +277,4 @@ def choose_width(
         cost = seconds(rows, width)
         rates[width] = tokens[width] / cost if cost > 0 else math.inf
     best = max(rates, key=lambda w: (rates[w], -w))
-    if best > 1 and 1 in rates and rates[best] < rates[1] * (1.0 + margin):
-        best = 1
     return WidthChoice(best, tokens[best], rates)
