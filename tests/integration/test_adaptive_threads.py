@@ -43,6 +43,9 @@ def test_busy_cores_run_steps_at_one_thread_with_the_same_tokens(target):
     engine.threads = ThreadGovernor(
         2, set_threads=torch.set_num_threads, load=lambda: others[0], num_cpus=2, clock=lambda: now[0]
     )
+    # The engine's own governor read the real machine when it was built and may have moved torch to
+    # 1 thread (busy cores); the stand-in starts from 2, so torch must too.
+    torch.set_num_threads(2)
     counts: list[int] = []
     llm = LLM.from_engine(engine)
 
