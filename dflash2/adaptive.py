@@ -174,10 +174,10 @@ class CostModel:
         A drafted step's factors, until learned, are borrowed: the verify factor from the
         autoregressive steps at the same row count (the machine is that much slower or faster at that
         batch), the drafter's from the mean of the row counts that have drafted (its live cost is about
-        the same multiple of the start-up timing at every row count). So a
-        row count the policy has not drafted at is not predicted from the optimistic start-up figures
-        alone. Borrowing only ever goes toward drafting's costs: an autoregressive step keeps its own
-        factor, or it would rise with drafting's and drafting would never look worse.
+        the same multiple of the start-up timing at every row count). So a row count the policy has
+        not drafted at is not predicted from the optimistic start-up figures alone. Borrowing only
+        ever goes toward drafting's costs: an autoregressive step keeps its own factor, or it would
+        rise with drafting's and drafting would never look worse.
         """
         verify = self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
         if width == 1:

@@ -477,7 +477,8 @@ class Engine:
         segments = [r.pending_context.features() for r in pending]
         features = torch.nn.utils.rnn.pad_sequence(segments, batch_first=True)
         starts = [r.pending_context.start for r in pending]
-        self.runner.append_context([self._slot(r) for r in pending], starts, features, [len(f) for f in segments])
+        lengths = [r.pending_context.num_tokens for r in pending]
+        self.runner.append_context([self._slot(r) for r in pending], starts, features, lengths)
         for request in pending:
             request.pending_context.clear()
 
@@ -567,8 +568,8 @@ class Engine:
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
         if self.is_speculative and width > 1:
-            # Not part of the drafted step's cost: this backlog is written whenever the rows draft next,
-            # and charging it here made each draft after a pause look dearer, so the policy paused longer.
+            # Not part of the drafted step's cost: this backlog is due whenever the rows draft next, and
+            # charging it here would make each draft after a pause look dearer, so the policy pauses longer.
             self._write_context(rows)
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, stats)

@@ -80,6 +80,7 @@ class PendingContext:
         return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
 
     def clear(self) -> None:
+        """Drop every pending row (written, or the slot's context is no longer trusted)."""
         self.chunks.clear()
         self.num_tokens = 0
 
