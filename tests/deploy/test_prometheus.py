@@ -136,10 +136,16 @@ def stream_finish_reason(url: str, path: str, body: dict[str, Any]) -> str:
 
 
 def serve_a_few_requests(url: str) -> list[str]:
-    """Chat and completions, streamed and not; greedy, so the stop request stops on its stop string."""
+    """Chat and completions, streamed and not; greedy, so the stop request stops on its stop string.
+
+    The adaptive policy drafts only when its live timings say drafting pays, which on a busy host may be
+    never; a seeded sampled request verifies the full block whatever the load (its text must not depend
+    on the load), so the last request guarantees drafted steps for the acceptance panels."""
     chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
     completion = {"prompt": "The three primary colours are", "temperature": 0}
+    seeded = {"prompt": "Once upon a time", "temperature": 0.8, "seed": 1234, "max_tokens": 24}
     return [
+        finish_reason(httpx.post(f"{url}/v1/completions", json=seeded, timeout=120)),
         finish_reason(httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 6}, timeout=120)),
         stream_finish_reason(url, "/v1/chat/completions", {**chat, "max_tokens": 24, "stop": ["Paris"]}),
         finish_reason(httpx.post(f"{url}/v1/completions", json={**completion, "max_tokens": 6}, timeout=120)),
