@@ -48,6 +48,13 @@ GLOBAL_ALPHA = 0.05  # weight of any row's outcome in the engine-wide estimate
 # The long-run acceptance starts as this many observations at PRIOR_ACCEPTANCE per position.
 PRIOR_OBSERVATIONS = 20
 COST_ALPHA = 0.1  # weight of a new step timing in the cost table
+# A step timing counts as at most this many times (at least 1 / this) the current factor: a host hiccup
+# (a step 3–5× slower than its neighbours) then moves a factor by 10 %, not 20–40 %.
+COST_CLIP = 2.0
+# Per step without drafts at a row count, how far its learned drafting factors move back toward its
+# autoregressive factor: a few slow drafted steps cannot stop drafting for good (nothing would correct
+# them), and a row count where drafting really loses re-tries it only every few dozen steps.
+COST_RELAX = 0.002
 
 
 def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
@@ -186,13 +193,27 @@ class CostModel:
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
         """Fold one step's measured timings into the factors of its row count (a factor learned for
-        the first time starts from the value it borrowed)."""
+        the first time starts from the value it borrowed; each timing is clipped to ``COST_CLIP``× the
+        factor, so one slow step moves it little).
+
+        A step without drafts also draws that row count's learned drafting factors ``COST_RELAX`` of
+        the way toward its autoregressive factor, as :meth:`AcceptanceTracker.idle_step` does for
+        acceptance: otherwise factors inflated by a few slow drafted steps would stop drafting, and no
+        drafted step would ever come to correct them (seen at batch 1: drafter factor 1.74 and
+        drafted-verify factor 1.39 against 0.89 for autoregressive steps, and no drafting in 712 steps).
+        """
         drafted = width > 1
         self.verify_scale[(rows, drafted)] = _learned(
             self._verify_factor(rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0)
         )
         if drafted:
             self.draft_scale[rows] = _learned(self._draft_factor(rows), draft_seconds, self.draft.get(rows, 0.0))
+            return
+        plain = self.verify_scale[(rows, False)]
+        if (rows, True) in self.verify_scale:
+            self.verify_scale[(rows, True)] += COST_RELAX * (plain - self.verify_scale[(rows, True)])
+        if rows in self.draft_scale:
+            self.draft_scale[rows] += COST_RELAX * (plain - self.draft_scale[rows])
 
     def _verify_factor(self, rows: int, drafted: bool) -> float:
         if drafted and (rows, True) not in self.verify_scale:
@@ -208,9 +229,11 @@ class CostModel:
 
 
 def _learned(scale: float, measured: float, base: float) -> float:
-    """``scale`` moved a ``COST_ALPHA`` step toward ``measured ÷ base`` (unchanged without a base)."""
+    """``scale`` moved a ``COST_ALPHA`` step toward ``measured ÷ base``, that ratio clipped to
+    ``[scale / COST_CLIP, scale · COST_CLIP]`` (unchanged without a base)."""
     if base > 0 and math.isfinite(base):
-        return scale + COST_ALPHA * (measured / base - scale)
+        ratio = min(max(measured / base, scale / COST_CLIP), scale * COST_CLIP)
+        return scale + COST_ALPHA * (ratio - scale)
     return scale
 
 

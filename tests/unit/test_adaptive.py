@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from dflash2 import adaptive
 from dflash2.adaptive import (
     AcceptanceEstimate,
     AcceptanceTracker,
@@ -112,7 +113,47 @@ def test_a_live_step_rescales_every_drafted_width_at_its_row_count():
     for _ in range(100):
         model.observe(2, 1, verify_seconds=0.030, draft_seconds=0.0)
     assert model.seconds(2, 1) == pytest.approx(0.030, rel=1e-4)
-    assert model.seconds(2, 4) == pytest.approx(0.080 * scale + 0.008 * scale)  # no drafter run: unchanged
+    # No drafted step: the drafting factors only drift toward the autoregressive one (1.5), slowly.
+    drift = 100 * adaptive.COST_RELAX * (1.5 - scale)  # the most 100 steps can move them
+    assert 0.088 * scale < model.seconds(2, 4) < 0.088 * (scale + drift)
+
+
+def test_one_slow_step_moves_a_factor_by_at_most_the_clip():
+    model = CostModel(max_rows=1, widths=(1, 8))
+    model.seed({(1, 1): 0.016, (1, 8): 0.017}, {1: 0.004})
+    model.observe(1, 8, verify_seconds=5 * 0.017, draft_seconds=5 * 0.004)  # a host hiccup: 5× slower
+    assert model.seconds(1, 8) == pytest.approx(1.1 * 0.021)  # counted as 2×: a tenth of the way to 2
+    model.observe(1, 1, verify_seconds=0.016 / 5, draft_seconds=0.0)  # and 5× faster counts as ½
+    assert model.seconds(1, 1) == pytest.approx(0.95 * 0.016)
+
+
+def simulate_hiccup(monkeypatch: pytest.MonkeyPatch, relax: float, clip: float) -> list[int]:
+    """One row whose drafting pays (start-up: 21 ms per drafted step committing 1.8 tokens against 16 ms
+    per token): its first 4 drafted steps run 5× slow (a hiccup); every other step runs at the start-up
+    figures."""
+    monkeypatch.setattr(adaptive, "COST_RELAX", relax)
+    monkeypatch.setattr(adaptive, "COST_CLIP", clip)
+    model = CostModel(max_rows=1, widths=(1, 8))
+    model.seed({(1, 1): 0.016, (1, 8): 0.017}, {1: 0.004})
+    acceptance = [[0.45] * 7]
+    chosen: list[int] = []
+    for _ in range(1500):
+        width = choose_width(acceptance, [7], (1, 8), model.seconds).width
+        slow = 5.0 if width > 1 and sum(w > 1 for w in chosen) < 4 else 1.0
+        chosen.append(width)
+        model.observe(1, width, slow * (0.017 if width > 1 else 0.016), slow * 0.004 if width > 1 else 0.0)
+    return chosen
+
+
+def test_slow_drafted_steps_do_not_stop_drafting_for_good(monkeypatch: pytest.MonkeyPatch):
+    """Drafted steps inflated by a hiccup make drafting look worse than it is, so the row stops drafting;
+    the steps without drafts then draw the drafting factors back, and it drafts again. Without that pull
+    (and without the clip) the factors stay where the hiccup left them and the row never drafts again."""
+    chosen = simulate_hiccup(monkeypatch, adaptive.COST_RELAX, adaptive.COST_CLIP)
+    assert chosen[0] == 8 and 1 in chosen[:50]  # it drafted, then the hiccup stopped it
+    assert all(w == 8 for w in chosen[-500:])  # back to drafting for good
+    old = simulate_hiccup(monkeypatch, relax=0.0, clip=math.inf)
+    assert all(w == 1 for w in old[-500:])
 
 
 def test_a_row_count_that_never_drafted_borrows_drafting_costs_but_never_lends_them():
