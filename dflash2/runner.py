@@ -5,12 +5,12 @@
 autoregressive step, the drafter's block) run through compiled static-shape modules
 (:class:`StaticTarget`, :class:`StaticDrafter`) unless ``EngineConfig.enforce_eager``:
 
-* **CPU**: ``torch.compile`` with inductor and weight freezing (constant-folded, oneDNN
-  pre-packed weights), as gpt-fast does. Positions, slots and the key range are tensors, so
+* **CPU**: ``torch.compile`` with inductor, the weights as graph inputs (not frozen: see
+  ``_configure_compiler``). Positions, slots and the key range are tensors, so
   one graph serves every batch size ≥ 2, another batch size 1, and every KV length (dynamic
   shapes); the attention reads only ``[0, T)`` of each slot, T rounded up to
-  :data:`KEY_ALIGN`. Inductor's cache lives in ``<dflash2 cache>/inductor`` (its C++ kernels
-  are reused on a restart; graphs with oneDNN-packed constants are lowered again).
+  :data:`KEY_ALIGN`. Inductor's caches live in ``<dflash2 cache>/inductor``, so a restart
+  reuses the compiled graphs.
 * **CUDA**: the same modules compiled with ``mode="reduce-overhead"`` (CUDA graphs), with
   rows and key lengths padded to buckets so the number of recorded graphs stays bounded.
 * Anything else (the transformers fallback target, a drafter that overrides its forward, a
@@ -205,7 +205,7 @@ class StaticDrafter(nn.Module):
 
     Shares the drafter's layers, or copies them when ``own_layers`` (the eager drafter's are then
     pre-packed in place on CPU bfloat16); the token embedding and the (draft-vocabulary) LM head
-    are registered as parameters so that freezing folds them; the context cache tensors are
+    are registered as parameters (graph inputs, like every weight); the context cache tensors are
     buffers, one per layer.
     """
 
@@ -290,11 +290,12 @@ def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
     # Python floats (norm eps, RoPE scaling) are constants of the model, not graph inputs.
     dynamo_config.specialize_float = True
     if device.type == "cpu":
-        inductor_config.freezing = True
-        # Frozen weights stay dense tensors: oneDNN-packed ones are mkldnn tensors, which inductor's
-        # graph cache cannot pickle, so every start lowered every graph again. Measured interleaved in
-        # one process (1–8 rows, widths 1 and 8, and the drafter): 0.92–1.07× the packed graphs' time.
-        inductor_config.cpp.weight_prepack = False
+        # Weights stay graph inputs (no freezing): inductor's caches then store the whole compilation,
+        # and a warm start skips tracing through AOT autograd as well as lowering. Frozen weights that
+        # oneDNN pre-packed could not be cached at all (mkldnn tensors do not pickle); frozen dense
+        # weights could, but AOT autograd's cache refuses frozen graphs. Measured interleaved in one
+        # process at 1–8 rows, widths 1 and 8, and the drafter: unfrozen 0.92–1.08× the frozen time.
+        inductor_config.freezing = False
         # Kernels read the thread count when they run, so the engine can change it (dflash2/threads.py);
         # otherwise each kernel keeps the count it was compiled with. Measured: no cost at 2 threads.
         inductor_config.cpp.dynamic_threads = dynamic_threads
@@ -716,8 +717,8 @@ def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -
 
 @contextlib.contextmanager
 def _compiled_mode() -> Iterator[None]:
-    """Compiled forwards run under ``no_grad`` outside inference mode: weight freezing needs
-    ``no_grad``, and a graph traced once must see the same tensor flags on every call."""
+    """Compiled forwards run under ``no_grad`` outside inference mode: a graph traced once must see
+    the same tensor flags on every call, and the weights, graph inputs, need no autograd."""
     with torch.inference_mode(False), torch.no_grad():
         yield
 
