@@ -56,7 +56,8 @@ RUN groupadd --system --gid 10001 dflash2 \
     && chown dflash2:dflash2 /cache
 COPY --from=builder /opt/venv /opt/venv
 # dflash2 converts models into $XDG_CACHE_HOME/dflash2; Hugging Face downloads land in
-# $XDG_CACHE_HOME/huggingface, so one volume keeps both across restarts.
+# $XDG_CACHE_HOME/huggingface and compiled graphs in $XDG_CACHE_HOME/dflash2/inductor, so one
+# volume keeps all three across restarts.
 ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/cache
 VOLUME ["/cache"]
