@@ -53,7 +53,7 @@ COST_ALPHA = 0.1  # weight of a new step timing in the cost table
 COST_CLIP = 2.0
 # Per step without drafts at a row count, how far its learned drafting factors move back toward its
 # autoregressive factor: a few slow drafted steps cannot stop drafting for good (nothing would correct
-# them), and a row count where drafting really loses re-tries it only every few dozen steps.
+# them), and a row count where drafting really loses re-tries it now and then (docs/engine.md).
 COST_RELAX = 0.002
 
 

@@ -306,7 +306,7 @@ def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
     count …). That guard would recompile a graph (20 s on CPU) whenever the engine changes torch's
     thread count (``dflash2/threads.py``), while the kernels read the count when they run
     (``cpp.dynamic_threads``). The rest of that state is fixed for these graphs: the runner is their only
-    caller, always in inference mode, without autocast, at the dtype the weights were frozen in."""
+    caller, always in inference mode, without autocast, at the dtype the weights were loaded in."""
     return [entry.guard_type != "GLOBAL_STATE" for entry in guards]
 
 
