@@ -260,6 +260,7 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=tuple(args.concurrency),
         serving_requests=args.serving_requests,
         serving_seconds=args.serving_seconds,
+        serving_rounds=args.serving_rounds,
         serving_temperature=args.serving_temperature,
         agents=args.agents,
         agent_history_tokens=args.agent_history_tokens,
@@ -321,6 +322,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency), help="streams per level")
     parser.add_argument("--serving-requests", type=int, default=d.serving_requests, help="requests per level")
     parser.add_argument("--serving-seconds", type=float, default=d.serving_seconds, help="time bound per level")
+    parser.add_argument(
+        "--serving-rounds",
+        type=int,
+        default=d.serving_rounds,
+        help="rounds of every serving level, the servers' order alternating; each level reports its median round "
+        "(default: %(default)s)",
+    )
     parser.add_argument(
         "--serving-temperature",
         type=float,
@@ -557,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speed vs peers at batch 1, serving load, report (docs/benchmarks.md)")
     add_bench_args(bench)
     add_engine_args(bench)
-    bench.set_defaults(func=_bench)
+    # Methods are compared at one fixed thread count (llama.cpp's n_threads is fixed too); the workers load
+    # in parallel, and a thread governor settling during that load would start each at 1 thread.
+    bench.set_defaults(func=_bench, adaptive_threads=False)
     for subparser in sub.choices.values():
         # Also accepted after the subcommand (container CMD / Kubernetes args append there).
         subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)

@@ -136,7 +136,7 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         default=_DEFAULTS.adaptive_threads,
         help="CPU: run with fewer threads while other processes keep the cores busy and timed steps show that "
         "is faster, back to --threads when the cores free up (off in --deterministic mode); "
-        "--no-adaptive-threads keeps --threads fixed (default: on)",
+        "--no-adaptive-threads keeps --threads fixed (default: %(default)s)",
     )
 
 

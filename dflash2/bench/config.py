@@ -104,7 +104,9 @@ class BenchConfig:
         url: a running server on loopback to load (None: start ``dflash2 serve`` per server config).
         concurrency: concurrent streams per serving level.
         serving_requests: requests per level (a bound; the level also stops at ``serving_seconds``).
-        serving_seconds: wall-clock bound per level.
+        serving_seconds: wall-clock bound per level (per round).
+        serving_rounds: rounds of every level; the servers' order alternates from round to round, and
+            a level reports its median round (``× AR``: the median of the rounds' paired ratios).
         serving_temperature: temperature of the serving requests.
         agents: run the multi-turn agent workload (prefix cache on vs off; ``bench/agents.py``).
         agent_history_tokens: tokens of the system prompt the conversations share.
@@ -134,6 +136,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     serving_requests: int = 16
     serving_seconds: float = 120.0
+    serving_rounds: int = 1
     serving_temperature: float = 0.0
     agents: bool = True
     agent_history_tokens: int = 3000
@@ -159,6 +162,7 @@ class BenchConfig:
             (all(c >= 1 for c in self.concurrency) and bool(self.concurrency), "concurrency levels must be >= 1"),
             (self.serving_requests >= 1, "serving_requests must be at least 1"),
             (self.serving_seconds > 0, "serving_seconds must be positive"),
+            (self.serving_rounds >= 1, "serving_rounds must be at least 1"),
             (self.agent_history_tokens >= 1, "agent_history_tokens must be at least 1"),
             (self.agent_conversations >= 1, "agent_conversations must be at least 1"),
             (self.agent_turns >= 2, "agent_turns must be at least 2 (follow-up turns are the point)"),
@@ -222,4 +226,5 @@ class BenchConfig:
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
             speculative_adaptive=False,
             deterministic=e.deterministic,
+            adaptive_threads=e.adaptive_threads,
         )

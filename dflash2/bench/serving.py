@@ -19,7 +19,11 @@ All servers run at once and the levels are interleaved (c = 1 on every server, t
 a host that slows down or speeds up during the run shifts every server's figures at a level
 alike and the ratios between servers stay comparable (run one after the other, the autoregressive
 server measured 160 and 225 tok/s at c = 8 in two runs 15 minutes apart on a shared 2-core host).
-An idle server only waits for requests.
+An idle server only waits for requests. With ``serving_rounds`` > 1 each level runs that many rounds,
+the servers' order reversed every other round (A B, B A, A B …), so drift within a level also falls
+on both alike; a level then reports its median round's tokens/s, latencies over every round's
+requests, and ``× AR`` as the median of the rounds' paired ratios (one round on a shared 2-core host
+swung ±10 % between runs).
 
 Only loopback addresses are accepted: this is a load generator.
 """
@@ -32,6 +36,7 @@ import itertools
 import json
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -116,6 +121,7 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
         command.append("--no-speculative-adaptive")
     if e.deterministic:
         command.append("--deterministic")
+    command.append("--adaptive-threads" if e.adaptive_threads else "--no-adaptive-threads")
     return command
 
 
@@ -271,16 +277,28 @@ class LevelResult:
     acceptance_per_position: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     speedup_vs_ar: float | None = None
+    round_tokens_per_second: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view."""
         return asdict(self)
 
 
-def summarize_level(server: str, concurrency: int, results: list[RequestResult], seconds: float) -> LevelResult:
-    """Latency percentiles, throughput and τ of one level's requests."""
+def summarize_level(
+    server: str,
+    concurrency: int,
+    results: list[RequestResult],
+    seconds: float,
+    round_tokens_per_second: Sequence[float] = (),
+) -> LevelResult:
+    """Latency percentiles, throughput and τ of one level's requests (``seconds``: the level's wall
+    time). With ``round_tokens_per_second`` (one figure per round, ``results`` pooled over the rounds)
+    the level's output tokens/s is their median."""
     good = [r for r in results if r.ok]
     tokens = sum(r.num_output_tokens for r in good)
+    rate = tokens / seconds if seconds else 0.0
+    if round_tokens_per_second:
+        rate = statistics.median(round_tokens_per_second)
     gaps = [g for r in good for g in r.chunk_gaps]
     tpots = [(r.seconds - r.ttft) / (r.num_output_tokens - 1) for r in good if r.num_output_tokens > 1]
     steps = sum(r.num_verify_steps for r in good)
@@ -291,7 +309,7 @@ def summarize_level(server: str, concurrency: int, results: list[RequestResult],
         num_requests=len(results),
         num_errors=len(results) - len(good),
         seconds=seconds,
-        output_tokens_per_second=tokens / seconds if seconds else 0.0,
+        output_tokens_per_second=rate,
         ttft_p50_ms=percentile([r.ttft for r in good], 50) * 1e3,
         ttft_p99_ms=percentile([r.ttft for r in good], 99) * 1e3,
         itl_p50_ms=percentile(gaps, 50) * 1e3,
@@ -300,6 +318,7 @@ def summarize_level(server: str, concurrency: int, results: list[RequestResult],
         e2e_p50_ms=percentile([r.seconds for r in good], 50) * 1e3,
         tau=(accepted + steps) / steps if steps else None,
         errors=sorted({r.error for r in results if not r.ok})[:5],
+        round_tokens_per_second=list(round_tokens_per_second),
     )
 
 
@@ -406,7 +425,7 @@ def warm_up(url: str, model: str, prompts: list[Messages], config: BenchConfig) 
     asyncio.run(run_level(url, model, prompts, 1, 1, config.serving_seconds, config.max_tokens, 0.0))
 
 
-def run_server_level(
+def run_server_round(
     config: BenchConfig,
     server: str,
     url: str,
@@ -414,10 +433,9 @@ def run_server_level(
     prompts: list[Messages],
     concurrency: int,
     progress: Progress,
-) -> LevelResult:
-    """One concurrency level against ``url`` (serving ``model``), with τ from the server's
-    ``/metrics`` over that level."""
-    before = scrape_counters(url)
+) -> tuple[list[RequestResult], float]:
+    """One round of a concurrency level against ``url`` (serving ``model``): its requests' results
+    and its wall seconds."""
     results, seconds = asyncio.run(
         run_level(
             url,
@@ -430,20 +448,50 @@ def run_server_level(
             config.serving_temperature,
         )
     )
-    level = summarize_level(server, concurrency, results, seconds)
-    level.tau_metrics, level.acceptance_per_position = acceptance_from_counters(before, scrape_counters(url))
-    progress(
-        f"serving {server} c={concurrency}: {level.output_tokens_per_second:.1f} tok/s, "
-        f"TTFT p50 {level.ttft_p50_ms:.0f} ms, {level.num_errors} errors"
-    )
-    return level
+    good = [r for r in results if r.ok]
+    rate = sum(r.num_output_tokens for r in good) / seconds if seconds else 0.0
+    progress(f"serving {server} c={concurrency}: {rate:.1f} tok/s, {len(results) - len(good)} errors")
+    return results, seconds
+
+
+@dataclass
+class _LevelRun:
+    """What one server's rounds of one level collected so far."""
+
+    counters: dict[str, float]  # /metrics before its first round
+    results: list[RequestResult] = field(default_factory=list)
+    seconds: float = 0.0
+    rates: list[float] = field(default_factory=list)
+
+    def add(self, results: list[RequestResult], seconds: float) -> None:
+        self.results += results
+        self.seconds += seconds
+        self.rates.append(sum(r.num_output_tokens for r in results if r.ok) / seconds if seconds else 0.0)
+
+    def level(self, server: str, concurrency: int, url: str) -> LevelResult:
+        """The level's summary, τ from the ``/metrics`` counters over its rounds."""
+        level = summarize_level(server, concurrency, self.results, self.seconds, self.rates)
+        level.tau_metrics, level.acceptance_per_position = acceptance_from_counters(self.counters, scrape_counters(url))
+        return level
 
 
 def add_serving_speedups(levels: list[LevelResult]) -> None:
-    """``speedup_vs_ar`` = a level's tokens/s ÷ the AR server's at the same concurrency."""
-    ar = {lv.concurrency: lv.output_tokens_per_second for lv in levels if lv.server == AR}
+    """``speedup_vs_ar`` = a level's tokens/s ÷ the AR server's at the same concurrency; with rounds
+    on both, the median of the rounds' paired ratios (round i of one server ÷ round i of the other,
+    run back to back)."""
+    ar = {lv.concurrency: lv for lv in levels if lv.server == AR}
     for level in levels:
-        level.speedup_vs_ar = ratio(level.output_tokens_per_second, ar.get(level.concurrency))
+        base = ar.get(level.concurrency)
+        if base is None:
+            level.speedup_vs_ar = None
+        elif len(level.round_tokens_per_second) > 1 and len(level.round_tokens_per_second) == len(
+            base.round_tokens_per_second
+        ):
+            pairs = list(zip(level.round_tokens_per_second, base.round_tokens_per_second))
+            paired = [a / b for a, b in pairs if b > 0]
+            level.speedup_vs_ar = statistics.median(paired) if len(paired) == len(pairs) else None
+        else:
+            level.speedup_vs_ar = ratio(level.output_tokens_per_second, base.output_tokens_per_second)
 
 
 def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, progress: Progress) -> ServingResult:
@@ -487,13 +535,23 @@ def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, pro
             except errors as exc:
                 failed(spec.id, exc)
         for concurrency in config.concurrency:
-            for server_id, (url, model) in list(reached.items()):
-                try:
-                    level = run_server_level(config, server_id, url, model, prompts, concurrency, progress)
-                    result.levels.append(level)
-                except errors as exc:
-                    del reached[server_id]  # no further levels for a server that failed
-                    failed(server_id, exc)
+            runs = {server_id: _LevelRun(scrape_counters(url)) for server_id, (url, _) in reached.items()}
+            for round_index in range(config.serving_rounds):
+                order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
+                for server_id in order:
+                    if server_id not in reached:
+                        continue
+                    url, model = reached[server_id]
+                    try:
+                        runs[server_id].add(
+                            *run_server_round(config, server_id, url, model, prompts, concurrency, progress)
+                        )
+                    except errors as exc:
+                        del reached[server_id]  # no further rounds or levels for a server that failed
+                        failed(server_id, exc)
+            for server_id, run in runs.items():
+                if server_id in reached:
+                    result.levels.append(run.level(server_id, concurrency, reached[server_id][0]))
         for spec in specs:
             if spec.id in started:
                 server = started[spec.id]

@@ -129,7 +129,8 @@ def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Pa
         assert server.url.startswith("http://127.0.0.1:")
         model = serving._model_name(server.url)
         serving.warm_up(server.url, model, messages, config)
-        levels = [serving.run_server_level(config, "ar", server.url, model, messages, 1, lambda _: None)]
+        results, seconds = serving.run_server_round(config, "ar", server.url, model, messages, 1, lambda _: None)
+        levels = [serving.summarize_level("ar", 1, results, seconds)]
         assert (process_peak_rss_bytes(server.process.pid) or 0) > 10e6
     assert server.process.returncode is not None  # stopped (SIGTERM, drained)
     assert len(levels) == 1 and levels[0].num_errors == 0, levels[0].errors
@@ -177,17 +178,18 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
         yield serving.RunningServer(f"http://127.0.0.1:1/{spec.id}", type("P", (), {"pid": 1})(), ["py", "-m", "x"])
         running.discard(spec.id)
 
-    def fake_level(config, server, url, model, prompts, concurrency, progress):
+    def fake_round(config, server, url, model, prompts, concurrency, progress):
         assert running == {"ar", "dflash2-b8"}  # both servers are up for every level
         calls.append((server, concurrency))
         if server == "ar" and concurrency == 4:
             raise RuntimeError("the server went away")
-        return serving.summarize_level(server, concurrency, [], 1.0)
+        return [], 1.0
 
     monkeypatch.setattr(serving, "started_server", fake_server)
     monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
     monkeypatch.setattr(serving, "_model_name", lambda url: "m")
-    monkeypatch.setattr(serving, "run_server_level", fake_level)
+    monkeypatch.setattr(serving, "run_server_round", fake_round)
+    monkeypatch.setattr(serving, "scrape_counters", lambda url: {})
     monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
     config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(1, 2, 4, 8))
     result = serving.run_serving(config, [], tmp_path, lambda _: None)
@@ -199,3 +201,57 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
     ]  # fmt: skip
     assert result.notes == ["ar: the server went away"]
     assert set(result.servers) == {"ar", "dflash2-b8"} and not running
+
+
+def test_rounds_alternate_the_servers_and_report_the_median(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Three rounds per level: order A B, B A, A B; tokens/s is the median round, × AR the median of
+    the paired ratios (not the ratio of the medians), latencies over every round's requests."""
+    import contextlib
+
+    calls: list[str] = []
+    # tokens per round: (ar, dflash2) — the host slows down in round 2 for both
+    tokens = {"ar": [100, 50, 90], "dflash2-b8": [110, 60, 80]}
+
+    @contextlib.contextmanager
+    def fake_server(config, spec, log_path, extra_args=()):
+        yield serving.RunningServer(f"http://127.0.0.1:1/{spec.id}", type("P", (), {"pid": 1})(), ["py", "-m", "x"])
+
+    def fake_round(config, server, url, model, prompts, concurrency, progress):
+        round_index = sum(1 for c in calls if c == server)
+        calls.append(server)
+        result = RequestResult(ok=True, seconds=1.0, ttft=0.1 * (round_index + 1), num_output_tokens=tokens[server][round_index])
+        return [result], 1.0
+
+    monkeypatch.setattr(serving, "started_server", fake_server)
+    monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
+    monkeypatch.setattr(serving, "_model_name", lambda url: "m")
+    monkeypatch.setattr(serving, "run_server_round", fake_round)
+    monkeypatch.setattr(serving, "scrape_counters", lambda url: {})
+    monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
+    config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(2,), serving_rounds=3)
+    result = serving.run_serving(config, [], tmp_path, lambda _: None)
+    assert calls == ["ar", "dflash2-b8", "dflash2-b8", "ar", "ar", "dflash2-b8"]
+    ar, spec = result.levels
+    assert (ar.server, spec.server) == ("ar", "dflash2-b8")
+    assert ar.round_tokens_per_second == [100, 50, 90] and ar.output_tokens_per_second == 90
+    assert spec.output_tokens_per_second == 80 and spec.num_requests == 3
+    assert spec.speedup_vs_ar == pytest.approx(1.1)  # median of 1.1, 1.2, 0.889; the medians' ratio is 0.889
+    assert ar.speedup_vs_ar == pytest.approx(1.0)
+    assert spec.ttft_p50_ms == pytest.approx(200.0)  # over the three rounds' requests
+
+
+def test_serving_rounds_flag_reaches_the_config() -> None:
+    from dflash2.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--serving-rounds", "3"])
+    assert args.serving_rounds == 3 and not args.adaptive_threads  # the bench compares at fixed threads
+    assert build_parser().parse_args(["bench", "--adaptive-threads"]).adaptive_threads
+    assert build_parser().parse_args(["serve"]).adaptive_threads
+    fixed = BenchConfig(engine=EngineConfig(adaptive_threads=False))
+    assert "--no-adaptive-threads" in serve_command(fixed, ServerSpec("ar", 1), 1234)
+    assert not fixed.engine_config(8, True).adaptive_threads  # the single-stream workers too
+    assert "--adaptive-threads" in serve_command(BenchConfig(), ServerSpec("ar", 1), 1234)
+    with pytest.raises(ValueError, match="serving_rounds"):
+        BenchConfig(serving_rounds=0)
