@@ -203,9 +203,7 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
     assert set(result.servers) == {"ar", "dflash2-b8"} and not running
 
 
-def test_rounds_alternate_the_servers_and_report_the_median(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_rounds_alternate_the_servers_and_report_the_median(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Three rounds per level: order A B, B A, A B; tokens/s is the median round, × AR the median of
     the paired ratios (not the ratio of the medians), latencies over every round's requests."""
     import contextlib
@@ -221,7 +219,9 @@ def test_rounds_alternate_the_servers_and_report_the_median(
     def fake_round(config, server, url, model, prompts, concurrency, progress):
         round_index = sum(1 for c in calls if c == server)
         calls.append(server)
-        result = RequestResult(ok=True, seconds=1.0, ttft=0.1 * (round_index + 1), num_output_tokens=tokens[server][round_index])
+        result = RequestResult(
+            ok=True, seconds=1.0, ttft=0.1 * (round_index + 1), num_output_tokens=tokens[server][round_index]
+        )
         return [result], 1.0
 
     monkeypatch.setattr(serving, "started_server", fake_server)
