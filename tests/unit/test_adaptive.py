@@ -232,3 +232,28 @@ def test_min_width_keeps_the_full_block():
 
 def test_nothing_measured_means_the_full_block():
     assert choose_width([POOR], [7], (1, 8), lambda rows, width: math.inf).width == 8
+
+
+def test_monotone_pools_each_decreasing_run_into_its_mean():
+    assert adaptive.monotone([18.4, 20.9, 22.3, 20.7, 21.5, 23.0, 24.3, 24.0]) == pytest.approx(
+        [18.4, 20.9, 21.5, 21.5, 21.5, 23.0, 24.15, 24.15]
+    )
+    assert adaptive.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert adaptive.monotone([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]  # already monotone: unchanged
+    assert adaptive.monotone([]) == []
+
+
+def test_a_width_timed_fast_by_chance_is_not_preferred_for_good():
+    """Start-up timings at one row with a dip at width 4 (measured: 20.7 ms between 22.3 and 21.5): on
+    the raw table a row with acceptance 0.4 per position verifies width 4, the width that happened to be
+    timed fast; on the monotone table widths 3–5 cost the same (their mean) and the policy takes 5, the
+    most tokens for that cost."""
+    raw = dict(zip(range(1, 9), [0.0184, 0.0209, 0.0223, 0.0207, 0.0215, 0.0230, 0.0243, 0.0240]))
+    acceptance = [[0.4] * 7]
+    model = CostModel(max_rows=1, widths=tuple(range(1, 9)))
+    model.seed({(1, w): t for w, t in raw.items()}, {1: 0.004})
+    assert [model.verify[(1, w)] for w in range(1, 9)] == sorted(model.verify[(1, w)] for w in range(1, 9))
+    assert model.verify[(1, 4)] == pytest.approx(0.0215)
+    unsmoothed = choose_width(acceptance, [7], range(1, 9), lambda r, w: raw[w] + (0.004 if w > 1 else 0.0))
+    assert unsmoothed.width == 4
+    assert choose_width(acceptance, [7], range(1, 9), model.seconds).width == 5
