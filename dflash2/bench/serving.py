@@ -537,8 +537,8 @@ def run_serving(config: BenchConfig, prompts: list[Messages], log_dir: Path, pro
         for concurrency in config.concurrency:
             runs = {server_id: _LevelRun(scrape_counters(url)) for server_id, (url, _) in reached.items()}
             for round_index in range(config.serving_rounds):
-                order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
-                for server_id in order:
+                in_turn = list(runs) if round_index % 2 == 0 else list(reversed(runs))
+                for server_id in in_turn:
                     if server_id not in reached:
                         continue
                     url, model = reached[server_id]
