@@ -164,6 +164,16 @@ def test_startup_table_reports_ready_and_compiled_times() -> None:
     assert startup_table({}) == []
 
 
+def fake_servers(monkeypatch: pytest.MonkeyPatch, server, round_) -> None:
+    """``run_serving`` against stand-ins: ``server`` for ``started_server``, ``round_`` for each round."""
+    monkeypatch.setattr(serving, "started_server", server)
+    monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
+    monkeypatch.setattr(serving, "_model_name", lambda url: "m")
+    monkeypatch.setattr(serving, "run_server_round", round_)
+    monkeypatch.setattr(serving, "scrape_counters", lambda url: {})
+    monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
+
+
 def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every server is up before the first level; then c = 1 on each server, c = 2 on each, …; the
     report keeps the servers' order. A server that fails a level is dropped from later ones."""
@@ -185,12 +195,7 @@ def test_servers_run_side_by_side_and_levels_interleave(monkeypatch: pytest.Monk
             raise RuntimeError("the server went away")
         return [], 1.0
 
-    monkeypatch.setattr(serving, "started_server", fake_server)
-    monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
-    monkeypatch.setattr(serving, "_model_name", lambda url: "m")
-    monkeypatch.setattr(serving, "run_server_round", fake_round)
-    monkeypatch.setattr(serving, "scrape_counters", lambda url: {})
-    monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
+    fake_servers(monkeypatch, fake_server, fake_round)
     config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(1, 2, 4, 8))
     result = serving.run_serving(config, [], tmp_path, lambda _: None)
     assert calls == [
@@ -224,12 +229,7 @@ def test_rounds_alternate_the_servers_and_report_the_median(monkeypatch: pytest.
         )
         return [result], 1.0
 
-    monkeypatch.setattr(serving, "started_server", fake_server)
-    monkeypatch.setattr(serving, "warm_up", lambda url, model, prompts, config: None)
-    monkeypatch.setattr(serving, "_model_name", lambda url: "m")
-    monkeypatch.setattr(serving, "run_server_round", fake_round)
-    monkeypatch.setattr(serving, "scrape_counters", lambda url: {})
-    monkeypatch.setattr(serving, "process_peak_rss_bytes", lambda pid: None)
+    fake_servers(monkeypatch, fake_server, fake_round)
     config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(2,), serving_rounds=3)
     result = serving.run_serving(config, [], tmp_path, lambda _: None)
     assert calls == ["ar", "dflash2-b8", "dflash2-b8", "ar", "ar", "dflash2-b8"]
