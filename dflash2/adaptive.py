@@ -169,14 +169,15 @@ class CostModel:
     def seed(self, verify: dict[tuple[int, int], float], draft: dict[int, float]) -> None:
         """Fill every (R, W) from measurements at some row counts (linear interpolation in R, flat beyond).
 
-        At each measured row count the verify times are first made non-decreasing in W (a wider
-        forward does more work; :func:`monotone`): a width timed fast by chance at start-up (seen:
-        20.7 ms at width 4 between 22.3 at 3 and 21.5 at 5) would otherwise be preferred for the
-        engine's whole life, since live steps rescale every drafted width by one factor.
+        At each measured row count the drafted widths' verify times (W ≥ 2) are first made
+        non-decreasing in W (a wider forward does more work; :func:`monotone`): a width timed fast by
+        chance at start-up (seen: 20.7 ms at width 4 between 22.3 at 3 and 21.5 at 5) would otherwise
+        be preferred for the engine's whole life, since live steps rescale every drafted width by one
+        factor. Width 1 keeps its own time: it has its own live factor.
         """
         verify = dict(verify)
         for rows in {r for r, _ in verify}:
-            widths = sorted(w for r, w in verify if r == rows)
+            widths = sorted(w for r, w in verify if r == rows and w > 1)
             for width, seconds in zip(widths, monotone([verify[(rows, w)] for w in widths])):
                 verify[(rows, width)] = seconds
         for width in self.widths:

@@ -103,10 +103,10 @@ class BenchConfig:
         serving: run the serving benchmark.
         url: a running server on loopback to load (None: start ``dflash2 serve`` per server config).
         concurrency: concurrent streams per serving level.
-        serving_requests: requests per level (a bound; the level also stops at ``serving_seconds``).
+        serving_requests: requests per round of a level (a bound; the round also stops at ``serving_seconds``).
         serving_seconds: wall-clock bound per level (per round).
         serving_rounds: rounds of every level; the servers' order alternates from round to round, and
-            a level reports its median round (``× AR``: the median of the rounds' paired ratios).
+            a level reports the median over its rounds (``× AR``: the median of the rounds' paired ratios).
         serving_temperature: temperature of the serving requests.
         agents: run the multi-turn agent workload (prefix cache on vs off; ``bench/agents.py``).
         agent_history_tokens: tokens of the system prompt the conversations share.
@@ -116,7 +116,8 @@ class BenchConfig:
         command: the exact command line, for the report.
     """
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Methods are compared at one fixed thread count (as llama.cpp runs at its n_threads): no governor.
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(adaptive_threads=False))
     out: Path = Path("bench-results")
     data: Path | None = None
     sets: tuple[str, ...] = PROMPT_SETS

@@ -307,6 +307,13 @@ def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     serving = serving_table(results)
     if serving:
         lines += ["", "## Serving (streaming chat, loopback)", "", *serving, ""]
+        rounds = results.get("config", {}).get("serving_rounds", 1)
+        if rounds > 1:
+            lines.append(
+                f"- {rounds} rounds per level, the servers' order alternating: output tok/s is the median over "
+                "the rounds, × AR the median of the rounds' paired ratios; requests, errors, latencies and τ "
+                "cover every round"
+            )
         for server, info in results["serving"].get("servers", {}).items():
             lines.append(
                 f"- {server}: `{info.get('command', info.get('url'))}`, peak RSS {mb(info.get('peak_rss_bytes'))} MB"

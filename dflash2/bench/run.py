@@ -42,6 +42,8 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "serving_requests": config.serving_requests,
         "serving_seconds": config.serving_seconds,
         "serving_temperature": config.serving_temperature,
+        "serving_rounds": config.serving_rounds,
+        "adaptive_threads": config.engine.adaptive_threads,
         "serving_block_size": config.serving_block_size,
         "agents": config.agents,
         "agent_history_tokens": config.agent_history_tokens,

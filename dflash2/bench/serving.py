@@ -21,9 +21,9 @@ alike and the ratios between servers stay comparable (run one after the other, t
 server measured 160 and 225 tok/s at c = 8 in two runs 15 minutes apart on a shared 2-core host).
 An idle server only waits for requests. With ``serving_rounds`` > 1 each level runs that many rounds,
 the servers' order reversed every other round (A B, B A, A B …), so drift within a level also falls
-on both alike; a level then reports its median round's tokens/s, latencies over every round's
-requests, and ``× AR`` as the median of the rounds' paired ratios (one round on a shared 2-core host
-swung ±10 % between runs).
+on both alike; a level then reports the median of its rounds' tokens/s, latencies over every
+round's requests, and ``× AR`` as the median of the rounds' paired ratios (single rounds on a shared
+2-core host often land more than 10 % from their level's median, up to 40 %).
 
 Only loopback addresses are accepted: this is a load generator.
 """
@@ -450,7 +450,10 @@ def run_server_round(
     )
     good = [r for r in results if r.ok]
     rate = sum(r.num_output_tokens for r in good) / seconds if seconds else 0.0
-    progress(f"serving {server} c={concurrency}: {rate:.1f} tok/s, {len(results) - len(good)} errors")
+    ttft = percentile([r.ttft for r in good], 50) * 1e3
+    progress(
+        f"serving {server} c={concurrency}: {rate:.1f} tok/s, TTFT p50 {ttft:.0f} ms, {len(results) - len(good)} errors"
+    )
     return results, seconds
 
 

@@ -252,6 +252,56 @@ def test_serving_rounds_flag_reaches_the_config() -> None:
     fixed = BenchConfig(engine=EngineConfig(adaptive_threads=False))
     assert "--no-adaptive-threads" in serve_command(fixed, ServerSpec("ar", 1), 1234)
     assert not fixed.engine_config(8, True).adaptive_threads  # the single-stream workers too
-    assert "--adaptive-threads" in serve_command(BenchConfig(), ServerSpec("ar", 1), 1234)
+    assert "--no-adaptive-threads" in serve_command(BenchConfig(), ServerSpec("ar", 1), 1234)  # the default
+    governed = BenchConfig(engine=EngineConfig(adaptive_threads=True))
+    assert "--adaptive-threads" in serve_command(governed, ServerSpec("ar", 1), 1234)
     with pytest.raises(ValueError, match="serving_rounds"):
         BenchConfig(serving_rounds=0)
+
+
+def test_a_server_that_fails_mid_level_is_dropped_and_ratios_against_it_are_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The AR server fails in round 2 of 3: it runs no further round or level, reports no level at
+    c = 2, and the other server's levels there have no × AR (no paired rounds to compare)."""
+    import contextlib
+
+    calls: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def fake_server(config, spec, log_path, extra_args=()):
+        yield serving.RunningServer(f"http://127.0.0.1:1/{spec.id}", type("P", (), {"pid": 1})(), ["py", "-m", "x"])
+
+    def fake_round(config, server, url, model, prompts, concurrency, progress):
+        calls.append((server, concurrency))
+        if server == "ar" and calls.count(("ar", 2)) == 2:
+            raise RuntimeError("the server went away")
+        return [RequestResult(ok=True, seconds=1.0, ttft=0.1, num_output_tokens=10)], 1.0
+
+    fake_servers(monkeypatch, fake_server, fake_round)
+    config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), concurrency=(1, 2, 4), serving_rounds=3)
+    result = serving.run_serving(config, [], tmp_path, lambda _: None)
+    at_two = [server for server, c in calls if c == 2]
+    assert at_two == ["ar", "dflash2-b8", "dflash2-b8", "ar", "dflash2-b8"]  # round 3: only the survivor
+    assert [server for server, c in calls if c == 4] == ["dflash2-b8"] * 3
+    assert [(lv.server, lv.concurrency) for lv in result.levels] == [
+        ("ar", 1), ("dflash2-b8", 1), ("dflash2-b8", 2), ("dflash2-b8", 4)
+    ]  # fmt: skip
+    assert result.levels[1].speedup_vs_ar == pytest.approx(1.0)
+    assert result.levels[2].speedup_vs_ar is None and result.levels[3].speedup_vs_ar is None
+    assert result.notes == ["ar: the server went away"]
+
+
+def test_the_report_says_when_serving_figures_are_medians_over_rounds() -> None:
+    from dflash2.bench.report import render_markdown
+
+    level = summarize_level("ar", 1, [RequestResult(ok=True, seconds=1, ttft=0.1, num_output_tokens=5)], 1.0, [4, 5, 6])
+    from tests.bench.test_stats import _results
+
+    results = _results([])
+    results["config"]["serving_rounds"] = 3
+    results["serving"] = {"levels": [level.to_dict()], "servers": {}, "notes": []}
+    markdown = render_markdown(results)
+    assert "3 rounds per level" in markdown and "| ar | 1 | 1 | 0 | 5.0 |" in markdown
+    results["config"]["serving_rounds"] = 1
+    assert "rounds per level" not in render_markdown(results)

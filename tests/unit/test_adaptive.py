@@ -257,3 +257,12 @@ def test_a_width_timed_fast_by_chance_is_not_preferred_for_good():
     unsmoothed = choose_width(acceptance, [7], range(1, 9), lambda r, w: raw[w] + (0.004 if w > 1 else 0.0))
     assert unsmoothed.width == 4
     assert choose_width(acceptance, [7], range(1, 9), model.seconds).width == 5
+
+
+def test_width_one_keeps_its_own_start_up_time():
+    """Only the drafted widths are pooled: width 1 has its own live factor, and pooling a slow width-1
+    timing into width 2 would lower the autoregressive base and raise every drafted width's."""
+    model = CostModel(max_rows=1, widths=(1, 2, 3))
+    model.seed({(1, 1): 0.030, (1, 2): 0.020, (1, 3): 0.019}, {1: 0.004})
+    assert model.verify[(1, 1)] == pytest.approx(0.030)
+    assert model.verify[(1, 2)] == pytest.approx(0.0195) and model.verify[(1, 3)] == pytest.approx(0.0195)
