@@ -320,12 +320,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serving", action=argparse.BooleanOptionalAction, default=d.serving, help="serving load")
     parser.add_argument("--url", default=d.url, help="load this running server (loopback) instead of starting ones")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency), help="streams per level")
-    parser.add_argument(
-        "--serving-requests", type=int, default=d.serving_requests, help="requests per round of a level"
-    )
-    parser.add_argument(
-        "--serving-seconds", type=float, default=d.serving_seconds, help="time bound per round of a level"
-    )
+    parser.add_argument("--serving-requests", type=int, default=d.serving_requests, help="requests per round")
+    parser.add_argument("--serving-seconds", type=float, default=d.serving_seconds, help="time bound per round")
     parser.add_argument(
         "--serving-rounds",
         type=int,
