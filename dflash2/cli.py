@@ -565,9 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speed vs peers at batch 1, serving load, report (docs/benchmarks.md)")
     add_bench_args(bench)
     add_engine_args(bench)
-    # Methods are compared at one fixed thread count (llama.cpp's n_threads is fixed too); the workers load
-    # in parallel, and a thread governor settling during that load would start each at 1 thread.
-    bench.set_defaults(func=_bench, adaptive_threads=False)
+    # The bench's own default (fixed threads, BenchConfig), not the engine's.
+    bench.set_defaults(func=_bench, adaptive_threads=_BENCH_DEFAULTS.engine.adaptive_threads)
     for subparser in sub.choices.values():
         # Also accepted after the subcommand (container CMD / Kubernetes args append there).
         subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)

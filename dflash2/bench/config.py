@@ -116,7 +116,8 @@ class BenchConfig:
         command: the exact command line, for the report.
     """
 
-    # Methods are compared at one fixed thread count (as llama.cpp runs at its n_threads): no governor.
+    # Methods are compared at one fixed thread count, as llama.cpp runs at its n_threads: no thread governor
+    # (the single-stream workers also load in parallel, and a governor settling then would start at 1 thread).
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(adaptive_threads=False))
     out: Path = Path("bench-results")
     data: Path | None = None

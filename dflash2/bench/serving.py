@@ -284,6 +284,11 @@ class LevelResult:
         return asdict(self)
 
 
+def output_tokens_per_second(results: Sequence[RequestResult], seconds: float) -> float:
+    """Completion tokens of the successful requests ÷ ``seconds`` of wall time (0 for no time)."""
+    return sum(r.num_output_tokens for r in results if r.ok) / seconds if seconds else 0.0
+
+
 def summarize_level(
     server: str,
     concurrency: int,
@@ -295,8 +300,7 @@ def summarize_level(
     time). With ``round_tokens_per_second`` (one figure per round, ``results`` pooled over the rounds)
     the level's output tokens/s is their median."""
     good = [r for r in results if r.ok]
-    tokens = sum(r.num_output_tokens for r in good)
-    rate = tokens / seconds if seconds else 0.0
+    rate = output_tokens_per_second(results, seconds)
     if round_tokens_per_second:
         rate = statistics.median(round_tokens_per_second)
     gaps = [g for r in good for g in r.chunk_gaps]
@@ -449,8 +453,7 @@ def run_server_round(
         )
     )
     good = [r for r in results if r.ok]
-    rate = sum(r.num_output_tokens for r in good) / seconds if seconds else 0.0
-    ttft = percentile([r.ttft for r in good], 50) * 1e3
+    rate, ttft = output_tokens_per_second(results, seconds), percentile([r.ttft for r in good], 50) * 1e3
     progress(
         f"serving {server} c={concurrency}: {rate:.1f} tok/s, TTFT p50 {ttft:.0f} ms, {len(results) - len(good)} errors"
     )
@@ -469,7 +472,7 @@ class _LevelRun:
     def add(self, results: list[RequestResult], seconds: float) -> None:
         self.results += results
         self.seconds += seconds
-        self.rates.append(sum(r.num_output_tokens for r in results if r.ok) / seconds if seconds else 0.0)
+        self.rates.append(output_tokens_per_second(results, seconds))
 
     def level(self, server: str, concurrency: int, url: str) -> LevelResult:
         """The level's summary, τ from the ``/metrics`` counters over its rounds."""
