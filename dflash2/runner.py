@@ -46,7 +46,16 @@ from torch import nn
 from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
-from dflash2.models.layers import apply_rope, attention, can_prepack, softcap
+from dflash2.models.layers import (
+    PackedLinear,
+    apply_rope,
+    attention,
+    can_prepack,
+    linear_backend,
+    onednn_bf16,
+    prepack_linears,
+    softcap,
+)
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 
 logger = logging.getLogger(__name__)
@@ -219,6 +228,8 @@ class StaticDrafter(nn.Module):
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
         self.head = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
+        # With the bfloat16 CPU kernel the head runs packed (see ModelRunner._static_modules).
+        self.head_linear: PackedLinear | None = None
         self.dtype = drafter.dtype
         self.block_offsets: torch.Tensor
         self.register_buffer("block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False)
@@ -259,7 +270,8 @@ class StaticDrafter(nn.Module):
         # A 2-D product: with a dynamic row count, a 3-D input became a bmm over a per-row copy of
         # the whole head (51.6 against 5.6 ms eager for a 4-row block on 2 cores).
         flat = hidden.reshape(num_rows * (self.block_size - 1), hidden.shape[-1])
-        logits = F.linear(flat, self.head).float().view(num_rows, self.block_size - 1, -1)
+        projected = self.head_linear(flat) if self.head_linear is not None else F.linear(flat, self.head)
+        logits = projected.float().view(num_rows, self.block_size - 1, -1)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         return hidden, softcap(logits, c.final_logit_softcapping)
@@ -410,6 +422,15 @@ class ModelRunner:
             own_layers = can_prepack(self.device, self.dtype)  # the eager drafter is packed in place
             drafter = StaticDrafter(self.drafter, self.draft_cache, self.block_size, own_layers)
             modules.append(("drafter", drafter.eval()))
+        if linear_backend(self.device, self.dtype) == "kernel":
+            # The bfloat16 kernel is a custom op that graphs call with the packed weight as an input
+            # (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
+            packed = sum(prepack_linears(module) for _, module in modules)
+            for _, module in modules:
+                if isinstance(module, StaticDrafter):
+                    module.head_linear = PackedLinear(module.head.detach())
+                    packed += 1
+            logger.info("packed %d linear layers of the compiled forwards for the bfloat16 CPU kernel", packed)
         return modules
 
     def _compile(self, modules: list[tuple[str, nn.Module]]) -> None:
@@ -481,13 +502,15 @@ class ModelRunner:
     def _prepack_eager(self) -> None:
         """Pre-pack the eager modules' linear weights (CPU bfloat16 only); the static modules
         keep the dense weights they were built from."""
-        if not can_prepack(self.device, self.dtype):
+        backend = linear_backend(self.device, self.dtype)
+        if backend is None:
             return
         packed = self.target.prepack()
         if self.drafter is not None and self.draft_cache is not None:
             packed += self.drafter.prepack()
         if packed:
-            logger.info("pre-packed %d linear layers for oneDNN (CPU, bfloat16)", packed)
+            kernel = "oneDNN" if backend == "onednn" else "the bfloat16 CPU kernel (AVX2)"
+            logger.info("pre-packed %d linear layers for %s", packed, kernel)
 
     # ---- forwards -------------------------------------------------------------------------------
 
@@ -703,7 +726,7 @@ def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -
     products go through MKL, whose summation order depends on the row count)."""
     if device.type != "cpu":
         raise ValueError(f"--deterministic runs on CPU only for now, not on {device.type}")
-    if not can_prepack(device, dtype):
+    if not onednn_bf16(device, dtype):
         raise ValueError(
             f"--deterministic needs --dtype bfloat16 on a CPU where oneDNN runs bfloat16 (AVX512 or AMX); "
             f"this engine runs {str(dtype).removeprefix('torch.')}"

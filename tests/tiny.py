@@ -85,16 +85,17 @@ def tiny_engine(
     tokenizer=None,
     **kwargs,
 ) -> Engine:
-    """A float32 CPU engine; eager unless ``enforce_eager=False`` (compiling takes seconds)."""
+    """A CPU engine, float32 unless ``dtype=`` says otherwise; eager unless ``enforce_eager=False``
+    (compiling takes seconds)."""
     kwargs.setdefault("speculative_adaptive", False)  # full blocks unless a test asks for the policy
     kwargs.setdefault("adaptive_threads", False)  # the thread count tests set stays set
+    kwargs.setdefault("dtype", "float32")
     config = EngineConfig(
         enforce_eager=enforce_eager,
         block_size=block_size if drafter is not None else 1,
         max_num_seqs=max_num_seqs,
         max_model_len=256,
         device="cpu",
-        dtype="float32",
         **kwargs,
     )
     return Engine(config, target, tokenizer, drafter, eos_token_ids=eos)

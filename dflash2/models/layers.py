@@ -64,12 +64,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`PackedLinear` can serve linears of this device and dtype.
-
-    True on a CPU in bfloat16 when PyTorch was built with oneDNN (mkldnn) and the CPU has
-    BF16 support; False elsewhere (CUDA, float32, float16).
-    """
+def onednn_bf16(device: torch.device, dtype: torch.dtype) -> bool:
+    """True on a CPU in bfloat16 when PyTorch was built with oneDNN (mkldnn) and the CPU has its
+    bfloat16 support (AVX512-BF16 or AMX): the :class:`PackedLinear` backend ``"onednn"``."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
@@ -79,30 +76,86 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
-    """An inference-only ``nn.Linear`` whose weight is pre-packed into oneDNN's blocked layout.
+def linear_backend(device: torch.device, dtype: torch.dtype) -> str | None:
+    """How :class:`PackedLinear` runs linears of this device and dtype, or None (plain ``nn.Linear``).
 
-    ``F.linear`` re-lays out a bfloat16 weight on every CPU call; packing once at load time
-    makes the small matrix–vector products of decoding about 1.8× faster (a SmolLM2-135M
-    token: 20.5 → 11.6 ms of linears on 2 cores) with bit-identical outputs. The packed
-    weight supports no autograd, indexing or ``.to()``: use it only after the model is on its
-    device and in its final dtype (see :func:`prepack_linears`).
+    ``"onednn"``: oneDNN's bfloat16 kernels on a pre-packed weight, on CPUs with native bfloat16
+    (:func:`onednn_bf16`). ``"kernel"``: this project's bfloat16 kernel
+    (:mod:`dflash2.models.cpu_kernels`) on other x86 CPUs with AVX2 and FMA, where PyTorch has no
+    fast bfloat16 matrix product (built the first time). None on CUDA, in float32 or float16, and
+    where neither can run.
+    """
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if onednn_bf16(device, dtype):
+        return "onednn"
+    from dflash2.models import cpu_kernels
+
+    return "kernel" if cpu_kernels.available() else None
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :class:`PackedLinear` can serve linears of this device and dtype (see
+    :func:`linear_backend`): CPU bfloat16 with oneDNN's bfloat16 support or the AVX2 kernel."""
+    return linear_backend(device, dtype) is not None
+
+
+class PackedLinear(nn.Module):
+    """An inference-only ``nn.Linear`` whose bfloat16 weight is pre-packed once for a CPU kernel.
+
+    Backend ``"onednn"`` (CPUs with AVX512-BF16 or AMX): the weight in oneDNN's blocked layout.
+    ``F.linear`` re-lays out a bfloat16 weight on every CPU call; packing once at load time makes
+    the small matrix–vector products of decoding about 1.8× faster (a SmolLM2-135M token: 20.5 →
+    11.6 ms of linears on 2 cores) with bit-identical outputs. ``torch.compile`` cannot take
+    mkldnn tensors as graph inputs, so the runner's compiled forwards keep dense weights there.
+
+    Backend ``"kernel"`` (other AVX2 CPUs): the weight in the layout of
+    :func:`dflash2.models.cpu_kernels.pack`, multiplied by ``torch.ops.dflash2.bf16_linear``
+    (float32 accumulation; a row's result does not depend on the other rows). A custom op with a
+    shape function, so compiled graphs call it too, with the packed weight as a graph input.
+
+    The packed weight supports no autograd, indexing or ``.to()``: use it only after the model is
+    on its device and in its final dtype (see :func:`prepack_linears`).
 
     Args:
         weight: ``[out, in]`` bfloat16 on a CPU; bias: ``[out]`` or None.
         keep_weight: keep the dense ``weight`` attribute, for code that reads it directly
             (e.g. an LM head the drafter shares); otherwise it is dropped to save memory.
+        backend: ``"onednn"`` or ``"kernel"``; None = :func:`linear_backend`'s choice.
+
+    Raises:
+        ValueError: where neither backend can run (see :func:`linear_backend`).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False) -> None:
+    packed_weight: torch.Tensor
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        keep_weight: bool = False,
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.bias = None if bias is None else bias.detach()
+        backend = backend or linear_backend(weight.device, weight.dtype)
+        if backend not in ("onednn", "kernel"):
+            raise ValueError(f"no packed linear kernel for {weight.dtype} on {weight.device}")
+        self.backend = backend
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.weight = weight if keep_weight else None
+        if backend == "onednn":
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        else:
+            from dflash2.models import cpu_kernels
+
+            self.register_buffer("packed_weight", cpu_kernels.pack(weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` bfloat16 → ``[..., out]``."""
+        if self.backend == "kernel":
+            return torch.ops.dflash2.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
         if x.numel() == self.in_features and batch_invariant_enabled():
             # One row would take oneDNN's matrix-vector kernel, which sums in another order than
             # the matrix kernel every larger call uses; a copy of the row keeps the bits equal.

@@ -10,13 +10,13 @@ import torch
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.models.layers import can_prepack
+from dflash2.models.layers import onednn_bf16
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not can_prepack(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+        not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
     ),
 ]
 # Prompts and length where the default bfloat16 mode was seen to break near-ties differently between

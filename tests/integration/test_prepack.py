@@ -10,14 +10,14 @@ import dflash2.runner
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.models.layers import PackedLinear, can_prepack
+from dflash2.models.layers import PackedLinear, can_prepack, onednn_bf16
 from dflash2.models.loader import save_drafter
 from dflash2.train.data import TokenDataset
 from dflash2.train.evaluate import teacher_forced
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(
-    not can_prepack(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+    not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
 )
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [3, 1, 4, 1, 5, 9, 2, 6]]
 
@@ -74,6 +74,7 @@ def _decode(target, drafter, block_size: int) -> list[list[int]]:
 def test_prepacked_engine_decodes_the_same_tokens(monkeypatch, block_size):
     with monkeypatch.context() as patch:
         patch.setattr(dflash2.runner, "can_prepack", lambda device, dtype: False)
+        patch.setattr(dflash2.runner, "linear_backend", lambda device, dtype: None)
         target, drafter = _bf16_models(seed=3)
         reference = _decode(target, drafter, block_size)
         assert isinstance(target.layers[0].mlp.gate_proj, nn.Linear)

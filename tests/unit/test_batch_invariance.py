@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dflash2.models import layers
-from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, can_prepack
+from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, onednn_bf16
 from dflash2.selector import SelectorWeights, lattice_scores
 
 needs_onednn_bf16 = pytest.mark.skipif(
-    not can_prepack(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+    not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
 )
 HEAD_DIM, KV_HEADS, GROUP = 64, 3, 3
 

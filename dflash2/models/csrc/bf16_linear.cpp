@@ -1,0 +1,153 @@
+// dflash2::bf16_linear — y = x · Wᵀ (+ bias) for bfloat16 weights on x86 CPUs with AVX2 and FMA but
+// without native bfloat16 arithmetic (no AVX512-BF16, no AMX), where oneDNN and ATen fall back to
+// slow generic code for bfloat16 matrices. Built and loaded by dflash2/models/cpu_kernels.py.
+//
+// Decoding multiplies a few rows (1 token, or a verify block of up to 16) by every weight matrix:
+// the work is reading the weights. The weights are packed once, at load, into blocks of 16 output
+// features: packed[b][k][2i] = W[16b + i][k] and packed[b][k][2i + 1] = W[16b + 8 + i][k]. One
+// 32-byte load then holds 16 weights of one k; shifting each 32-bit lane left by 16 gives the first
+// eight as float32 and masking off its low half gives the other eight (a bfloat16 is the top half of
+// a float32). Each row's x[m][k] is broadcast and multiplied into two accumulators of 8 outputs
+// (a register tile of up to 4 rows × 16 outputs). Every output is one float32 sum in the order
+// k = 0, 1, … K − 1, whatever the number of rows or the row's place among them, so a row's result
+// does not depend on the batch. Threads split the blocks of output features.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;       // output features per packed block
+constexpr int64_t kRowTile = 4;      // rows per register tile
+constexpr int64_t kRowChunk = 32;    // rows per pass over the weights (their float32 copy stays in L2)
+constexpr int64_t kPrefetch = 64;    // k steps ahead (2 KiB) for the software prefetch
+
+inline __m256 low_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 high_half(__m256i v, __m256i mask) { return _mm256_castsi256_ps(_mm256_and_si256(v, mask)); }
+
+// One row's ≤ 16 outputs, plus the bias (float32), rounded once to the output type.
+inline void store_block(float* y, const float* tile, const float* bias, int64_t columns) {
+  for (int64_t j = 0; j < columns; ++j) y[j] = bias ? tile[j] + bias[j] : tile[j];
+}
+
+inline void store_block(at::BFloat16* y, const float* tile, const float* bias, int64_t columns) {
+  for (int64_t j = 0; j < columns; ++j) y[j] = at::BFloat16(bias ? tile[j] + bias[j] : tile[j]);  // round to nearest even
+}
+
+// Rows [0, MB) of x (float32, row stride K) times one packed block (+ bias) → y (row stride ldy),
+// `columns` ≤ 16.
+template <int MB, typename Out>
+inline void tile_rows(const float* x, const uint16_t* block, int64_t K, const float* bias, Out* y, int64_t ldy,
+                      int64_t columns) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 lo[MB], hi[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    lo[m] = _mm256_setzero_ps();
+    hi[m] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(block + (k + kPrefetch) * kBlock), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * kBlock));
+    const __m256 w_lo = low_half(v), w_hi = high_half(v, mask);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * K + k);
+      lo[m] = _mm256_fmadd_ps(b, w_lo, lo[m]);
+      hi[m] = _mm256_fmadd_ps(b, w_hi, hi[m]);
+    }
+  }
+  alignas(32) float out[MB][kBlock];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    _mm256_store_ps(out[m], lo[m]);
+    _mm256_store_ps(out[m] + 8, hi[m]);
+  }
+  for (int m = 0; m < MB; ++m) store_block(y + m * ldy, out[m], bias, columns);
+}
+
+// Rows [0, M) of x times blocks [b0, b1) → y [M, N].
+template <typename Out>
+void run_blocks(const float* x, const uint16_t* packed, const float* bias, int64_t M, int64_t N, int64_t K, Out* y,
+                int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* block = packed + b * K * kBlock;
+    const int64_t n0 = b * kBlock, columns = std::min<int64_t>(kBlock, N - n0);
+    const float* block_bias = bias ? bias + n0 : nullptr;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile)
+      tile_rows<kRowTile>(x + m * K, block, K, block_bias, y + m * N + n0, N, columns);
+    switch (M - m) {
+      case 3: tile_rows<3>(x + m * K, block, K, block_bias, y + m * N + n0, N, columns); break;
+      case 2: tile_rows<2>(x + m * K, block, K, block_bias, y + m * N + n0, N, columns); break;
+      case 1: tile_rows<1>(x + m * K, block, K, block_bias, y + m * N + n0, N, columns); break;
+      default: break;
+    }
+  }
+}
+
+// A float32 copy of a (bfloat16 or float32) tensor's elements, in row-major order.
+std::vector<float> to_float(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  std::vector<float> out(static_cast<size_t>(c.numel()));
+  if (c.scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), c.data_ptr<float>(), out.size() * sizeof(float));
+  } else {
+    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(p[i]);
+  }
+  return out;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "bf16_linear: packed must be a contiguous bfloat16 [N/16, K, 16] tensor");
+  const int64_t N = out_features, K = packed.size(1);
+  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_linear: out_features does not match packed");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x's last dimension must be ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bf16_linear: x must be bfloat16 or float32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_linear: CPU tensors only");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
+                                                   bias->scalar_type() == at::kFloat)),
+              "bf16_linear: bias must hold out_features bfloat16 or float32 values");
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = N;
+  const int64_t M = x.numel() / K;
+  const std::vector<float> xf = to_float(x);
+  const std::vector<float> bf = has_bias ? to_float(*bias) : std::vector<float>();
+  at::Tensor y = at::empty(out_sizes, x.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = has_bias ? bf.data() : nullptr;
+  const int64_t num_blocks = packed.size(0);
+  auto run = [&](auto* yp) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, M - m0);
+      at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+        run_blocks(xf.data() + m0 * K, wp, bp, rows, N, K, yp + m0 * N, b0, b1);
+      });
+    }
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash2, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
