@@ -252,6 +252,7 @@ def _bench(args: argparse.Namespace) -> int:
         temperatures=tuple(args.temperatures),
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         eager_rows=args.eager_rows,
+        adaptive_rows=args.adaptive_rows,
         startup=args.startup,
         gguf=args.gguf,
         single_stream=args.single_stream,
@@ -310,6 +311,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.eager_rows,
         help="also measure each engine method with --enforce-eager (rows ar-eager, dflash2-b8-eager, …)",
+    )
+    parser.add_argument(
+        "--adaptive-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.adaptive_rows,
+        help="also measure each dflash2 method with the adaptive verify width (rows dflash2-b8-adaptive)",
     )
     parser.add_argument(
         "--startup",

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dflash2.models import cpu_kernels
 from dflash2.platform import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,10 +87,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The resolved dtype. ``auto``: bfloat16 on CUDA and on CPUs with native bfloat16
-        matrix instructions (AVX512-BF16 or AMX), float32 on other CPUs."""
+        """The resolved dtype. ``auto``: bfloat16 on CUDA, on CPUs with native bfloat16 matrix
+        instructions (AVX512-BF16 or AMX) and on other CPUs with AVX2 where the project's bfloat16
+        kernel builds (:mod:`dflash2.models.cpu_kernels`, built the first time); float32 elsewhere."""
         if self.dtype == "auto":
-            if self.torch_device.type == "cuda" or (self.torch_device.type == "cpu" and cpu_has_native_bf16()):
+            if self.torch_device.type == "cuda":
+                return torch.bfloat16
+            if self.torch_device.type == "cpu" and (cpu_has_native_bf16() or cpu_kernels.available()):
                 return torch.bfloat16
             return torch.float32
         return DTYPES[self.dtype]

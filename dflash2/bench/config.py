@@ -42,6 +42,8 @@ class MethodSpec:
         use_selector: the DFlash 2 selector walk (engine methods with a drafter).
         prompt_lookup_tokens: ``prompt_lookup_num_tokens`` for ``hf-pld``, else 0.
         enforce_eager: engine methods: run every forward eagerly (the ``-eager`` rows).
+        adaptive: speculative engine methods: the adaptive policy chooses each step's verify width
+            up to B (the engine's default; the ``-adaptive`` rows) instead of full blocks.
     """
 
     id: str
@@ -51,6 +53,7 @@ class MethodSpec:
     use_selector: bool = True
     prompt_lookup_tokens: int = 0
     enforce_eager: bool = False
+    adaptive: bool = False
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -69,6 +72,8 @@ class MethodSpec:
         if self.family == DFLASH:
             return f"DFlash, selector off (B={self.block_size})"
         if self.family == DFLASH2:
+            if self.adaptive:
+                return f"DFlash 2, selector on (B≤{self.block_size}, adaptive)"
             return f"DFlash 2, selector on (B={self.block_size})"
         if self.family == HF:
             return "transformers generate"
@@ -97,6 +102,8 @@ class BenchConfig:
         gguf: GGUF file for llama.cpp (None: derive one from the model's GGUF source when it has one).
         eager_rows: beside each compiled engine method, measure the same method with
             ``enforce_eager`` (rows ``ar-eager``, ``dflash2-b8-eager``, …) in the same run.
+        adaptive_rows: beside each ``dflash2`` method (full blocks of B), measure the same drafter
+            with the adaptive policy choosing the verify width (rows ``dflash2-b8-adaptive``).
         startup: measure the speculative engine's start-up to ready, with an empty and with a
             warm compile cache (in a temporary cache folder).
         single_stream: run the single-stream benchmark.
@@ -130,6 +137,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     prompt_lookup_tokens: int = 10
     eager_rows: bool = True
+    adaptive_rows: bool = True
     startup: bool = True
     gguf: Path | None = None
     single_stream: bool = True
@@ -181,17 +189,20 @@ class BenchConfig:
             engine_specs.append(MethodSpec(AR, AR, ENGINE, block_size=1))
         for family, use_selector in ((DFLASH, False), (DFLASH2, True)):
             if family in self.methods:
-                engine_specs += [
-                    MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
-                    for b in self.block_sizes
-                ]
+                for b in self.block_sizes:
+                    engine_specs.append(
+                        MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
+                    )
+                    if family == DFLASH2 and self.adaptive_rows:
+                        spec = MethodSpec(f"{family}-b{b}-adaptive", family, ENGINE, block_size=b, adaptive=True)
+                        engine_specs.append(spec)
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:
                 specs.append(replace(spec, enforce_eager=True))
                 continue
             specs.append(spec)
-            if self.eager_rows:
+            if self.eager_rows and not spec.adaptive:  # the full-block row already shows compilation's gain
                 specs.append(replace(spec, id=f"{spec.id}-eager", enforce_eager=True))
         if HF in self.methods:
             specs.append(MethodSpec(HF, HF, TRANSFORMERS))
@@ -207,12 +218,18 @@ class BenchConfig:
         return self.engine.block_size if self.engine.block_size not in (None, 1) else self.block_sizes[0]
 
     def engine_config(
-        self, block_size: int, use_selector: bool, max_num_seqs: int = 1, enforce_eager: bool | None = None
+        self,
+        block_size: int,
+        use_selector: bool,
+        max_num_seqs: int = 1,
+        enforce_eager: bool | None = None,
+        speculative_adaptive: bool = False,
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
         run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
-        blocks (their rows are named by B); the serving benchmark's speculative server runs the
-        adaptive policy unless the run says ``--no-speculative-adaptive``."""
+        blocks (their rows are named by B) unless ``speculative_adaptive`` (the ``-adaptive``
+        rows); the serving benchmark's speculative server runs the adaptive policy unless the
+        run says ``--no-speculative-adaptive``."""
         e = self.engine
         return EngineConfig(
             model=e.model,
@@ -226,7 +243,7 @@ class BenchConfig:
             seed=e.seed,
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
-            speculative_adaptive=False,
+            speculative_adaptive=speculative_adaptive,
             deterministic=e.deterministic,
             adaptive_threads=e.adaptive_threads,
         )

@@ -52,6 +52,7 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "agent_max_tokens": config.agent_max_tokens,
         "enforce_eager": e.enforce_eager,
         "eager_rows": config.eager_rows,
+        "adaptive_rows": config.adaptive_rows,
     }
 
 

@@ -53,6 +53,7 @@ class MethodResult:
             "label": self.spec.label,
             "family": self.spec.family,
             "block_size": self.spec.block_size or None,
+            "adaptive": self.spec.adaptive,
             "status": self.status,
             "message": self.message,
             "info": self.info,
@@ -84,7 +85,10 @@ def worker_spec(
         return {
             "runner": ENGINE,
             "engine": config.engine_config(
-                method.block_size, method.use_selector, enforce_eager=method.enforce_eager
+                method.block_size,
+                method.use_selector,
+                enforce_eager=method.enforce_eager,
+                speculative_adaptive=method.adaptive,
             ).to_dict(),
         }
     if method.runner == TRANSFORMERS:

@@ -15,7 +15,7 @@ from dflash2.engine import Engine
 from tests.bench.conftest import TinyFolders
 from tests.live_server import ServerThread
 
-METHOD_IDS = ["ar", "dflash-b4", "dflash2-b4", "hf"]
+METHOD_IDS = ["ar", "dflash-b4", "dflash2-b4", "dflash2-b4-adaptive", "hf"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ def test_every_method_ran_or_says_why_not(bench_run: tuple[int, Path]) -> None:
     assert "llama-cpp-python" in methods["llama.cpp"]["message"] or "--gguf" in methods["llama.cpp"]["message"]
     assert methods["dflash2-b4"]["conv_probe"]["overhead_ms"] is not None
     assert methods["dflash2-b4"]["info"]["has_selector"] and not methods["dflash-b4"]["info"]["use_selector"]
+    assert methods["dflash2-b4-adaptive"]["adaptive"] and not methods["dflash2-b4"]["adaptive"]
 
 
 def test_rows_and_speedups_come_from_the_measured_numbers(bench_run: tuple[int, Path]) -> None:
@@ -94,6 +95,7 @@ def test_markdown_has_the_expected_tables(bench_run: tuple[int, Path]) -> None:
         "dflash2 engine, autoregressive (B=1), eager",
         "DFlash, selector off (B=4), eager",
         "DFlash 2, selector on (B=4), eager",
+        "DFlash 2, selector on (B≤4, adaptive), eager",
         "transformers generate",
     ]:
         assert f"| {label} | 0 |" in markdown and f"| {label} | 1 |" in markdown

@@ -3,6 +3,7 @@ real ``dflash2 serve`` subprocess on the tiny folder (started, loaded at concurr
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from dflash2.bench.serving import (
     started_server,
     summarize_level,
 )
+from dflash2.bench.single_stream import worker_spec
 from dflash2.config import EngineConfig
 from tests.bench.conftest import TinyFolders
 
@@ -138,7 +140,7 @@ def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Pa
 
 
 def test_eager_rows_sit_beside_their_compiled_method() -> None:
-    config = BenchConfig(methods=("ar", "dflash2", "llama.cpp"), block_sizes=(8,))
+    config = BenchConfig(methods=("ar", "dflash2", "llama.cpp"), block_sizes=(8,), adaptive_rows=False)
     specs = config.method_specs()
     assert [s.id for s in specs] == ["ar", "ar-eager", "dflash2-b8", "dflash2-b8-eager", "llama.cpp"]
     assert [s.enforce_eager for s in specs[:4]] == [False, True, False, True]
@@ -146,6 +148,37 @@ def test_eager_rows_sit_beside_their_compiled_method() -> None:
     assert [s.id for s in BenchConfig(methods=("ar",), eager_rows=False).method_specs()] == ["ar"]
     eager_run = BenchConfig(methods=("ar",), engine=EngineConfig(enforce_eager=True)).method_specs()
     assert [(s.id, s.enforce_eager) for s in eager_run] == [("ar", True)]
+
+
+def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
+    """The engine's default (the policy chooses the verify width up to B) beside the full-block rows,
+    compiled only; the worker's engine config says which."""
+    config = BenchConfig(methods=("dflash", "dflash2"), block_sizes=(8, 16))
+    specs = {s.id: s for s in config.method_specs()}
+    assert list(specs) == [
+        "dflash-b8",
+        "dflash-b8-eager",
+        "dflash-b16",
+        "dflash-b16-eager",
+        "dflash2-b8",
+        "dflash2-b8-eager",
+        "dflash2-b8-adaptive",
+        "dflash2-b16",
+        "dflash2-b16-eager",
+        "dflash2-b16-adaptive",
+    ]
+    adaptive = specs["dflash2-b8-adaptive"]
+    assert adaptive.adaptive and adaptive.use_selector and adaptive.label == "DFlash 2, selector on (B≤8, adaptive)"
+    workload = types.SimpleNamespace(folder=Path("unused"))
+    engines = {
+        id_: worker_spec(config, specs[id_], workload, [], None)["engine"]  # type: ignore[arg-type]
+        for id_ in ("dflash2-b8", "dflash2-b8-adaptive")
+    }
+    assert engines["dflash2-b8-adaptive"]["speculative_adaptive"] is True
+    assert engines["dflash2-b8"]["speculative_adaptive"] is False
+    assert engines["dflash2-b8-adaptive"]["block_size"] == 8
+    no_rows = BenchConfig(methods=("dflash2",), block_sizes=(8,), adaptive_rows=False, eager_rows=False)
+    assert [s.id for s in no_rows.method_specs()] == ["dflash2-b8"]
 
 
 def test_startup_table_reports_ready_and_compiled_times() -> None:
