@@ -106,14 +106,35 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _offline_dtype(config: EngineConfig) -> Any:
+    """The dtype of ``train`` and ``eval``, which run the target without the engine: ``auto`` is
+    float32 on CPUs whose bfloat16 speed comes from the engine's packed kernel
+    (:func:`dflash2.models.layers.linear_backend` ``"kernel"``), since these commands run plain
+    ``nn.Linear`` layers (PyTorch's bfloat16 there is several times slower than float32);
+    otherwise ``config.torch_dtype``."""
+    import torch
+
+    from dflash2.models.layers import linear_backend
+
+    cpu = config.torch_device.type == "cpu"
+    if config.dtype == "auto" and cpu and linear_backend(config.torch_device, torch.bfloat16) == "kernel":
+        return torch.float32
+    return config.torch_dtype
+
+
 def _load_target(config: EngineConfig) -> tuple[Path, Any, Any]:
-    """Resolve and load the target and its tokenizer (training and evaluation need no engine)."""
+    """Resolve and load the target and its tokenizer (training and evaluation need no engine), in
+    :func:`_offline_dtype`."""
     from dflash2.models import loader, source
     from dflash2.platform import configure_threads
 
     configure_threads(config.num_threads)
     folder = source.resolve_model(config.model)
-    return folder, loader.load_tokenizer(folder), loader.load_target(folder, config.torch_dtype, config.torch_device)
+    return (
+        folder,
+        loader.load_tokenizer(folder),
+        loader.load_target(folder, _offline_dtype(config), config.torch_device),
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -179,7 +200,7 @@ def _eval(args: argparse.Namespace) -> int:
     if drafter_path is None:
         print("error: dflash2 eval needs --drafter for a model other than the embedded default", file=sys.stderr)
         return 2
-    drafter = loader.load_drafter(Path(drafter_path), target, engine_config.torch_dtype, engine_config.torch_device)
+    drafter = loader.load_drafter(Path(drafter_path), target, _offline_dtype(engine_config), engine_config.torch_device)
     eos = loader.eos_token_ids(folder, tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     sets = evaluate.load_prompt_sets(args.data, args.num_prompts)

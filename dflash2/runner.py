@@ -313,20 +313,13 @@ def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
         inductor_config.cpp.dynamic_threads = dynamic_threads
 
 
-def _input_guards_only(guards: Sequence[Any]) -> list[bool]:
-    """Keep the guards on a forward's inputs; drop the global-state guard and those on the modules.
-
-    The global-state guard (grad mode, autocast, default dtype, thread count …) would recompile a
-    graph (20 s on CPU) whenever the engine changes torch's thread count (``dflash2/threads.py``),
-    while the kernels read the count when they run (``cpp.dynamic_threads``); the rest of that state
-    is fixed for these graphs: the runner is their only caller, always in inference mode, without
-    autocast, at the dtype the weights were loaded in. The module guards (every submodule's type,
-    hooks and attributes, every weight's shape: about a thousand checks, 1.1 ms of each 17 ms
-    SmolLM2 decode step on a 2-core CPU) protect against changes to the modules, and the runner
-    builds its static modules for these graphs and never changes them (weights are graph inputs,
-    read at every call). ``torch.compiler.skip_guard_on_all_nn_modules_unsafe`` selects them."""
-    keep_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
-    return [entry.guard_type != "GLOBAL_STATE" and keep for entry, keep in zip(guards, keep_modules)]
+def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
+    """Keep every dynamo guard but the global-state one (grad mode, autocast, default dtype, thread
+    count …). That guard would recompile a graph (20 s on CPU) whenever the engine changes torch's
+    thread count (``dflash2/threads.py``), while the kernels read the count when they run
+    (``cpp.dynamic_threads``). The rest of that state is fixed for these graphs: the runner is their only
+    caller, always in inference mode, without autocast, at the dtype the weights were loaded in."""
+    return [entry.guard_type != "GLOBAL_STATE" for entry in guards]
 
 
 class ModelRunner:
@@ -451,10 +444,12 @@ class ModelRunner:
         )
         _configure_compiler(self.device, self.dynamic_threads)
         for name, module in modules:
-            # CUDA: graphs replayed; CPU: inductor kernels guarded on their inputs only (see
-            # _input_guards_only). A fresh dict per call: torch.compile pops the filter from it.
+            # CUDA: graphs replayed; CPU: inductor kernels without the global-state guard (see
+            # _without_global_state_guard). A fresh dict per call: torch.compile pops the filter from it.
             settings: dict[str, Any] = (
-                {"mode": "reduce-overhead"} if self._cuda else {"options": {"guard_filter_fn": _input_guards_only}}
+                {"mode": "reduce-overhead"}
+                if self._cuda
+                else {"options": {"guard_filter_fn": _without_global_state_guard}}
             )
             try:
                 # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.

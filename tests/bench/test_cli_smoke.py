@@ -81,7 +81,9 @@ def test_rows_and_speedups_come_from_the_measured_numbers(bench_run: tuple[int, 
     for row in rows:
         if row["method"].startswith("dflash"):
             assert row["tau"] >= 1.0 and len(row["acceptance_per_position"]) == 3
-            assert row["cycle_ms"] > 0 and row["verify_ms"] > 0 and row["draft_ms"] > 0
+            assert row["cycle_ms"] > 0 and row["verify_ms"] > 0
+            # The adaptive policy may verify without drafts on a tiny random model (a random drafter).
+            assert row["draft_ms"] > 0 or row["method"].endswith("-adaptive")
     records = results["single_stream"]["records"]
     assert len(records) == 2 * 2 * len(METHOD_IDS)  # 2 temperatures × 2 sets × methods, one repetition
     assert all(1 <= s["num_output_tokens"] <= 6 for r in records for s in r["samples"])

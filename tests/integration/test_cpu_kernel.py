@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dflash2.config
 import dflash2.models.layers
 from dflash2.models import cpu_kernels
 from dflash2.models.layers import PackedLinear, linear_backend
@@ -142,3 +143,20 @@ def test_compiled_runner_runs_the_kernel_and_matches_eager(kernel_backend):
         scale = float(eager_logits.abs().max())
         torch.testing.assert_close(fast_logits, eager_logits, atol=0.03 * scale, rtol=0)
         torch.testing.assert_close(fast_features.float(), eager_features.float(), atol=0.1, rtol=0.05)
+
+
+def test_auto_dtype_follows_the_kernel_for_the_engine_not_for_training(monkeypatch):
+    """``--dtype auto``: bfloat16 for the engine where the kernel runs (it packs the linears), float32
+    for ``train`` / ``eval``, which run the target's plain ``nn.Linear`` layers."""
+    from dflash2 import cli
+    from dflash2.config import EngineConfig
+
+    monkeypatch.setattr(dflash2.models.layers, "onednn_bf16", lambda device, dtype: False)
+    monkeypatch.setattr(dflash2.config, "cpu_has_native_bf16", lambda: False)
+    auto = EngineConfig(device="cpu")
+    assert auto.torch_dtype == torch.bfloat16
+    assert cli._offline_dtype(auto) == torch.float32
+    assert cli._offline_dtype(EngineConfig(device="cpu", dtype="bfloat16")) == torch.bfloat16
+    monkeypatch.setattr(dflash2.models.layers, "onednn_bf16", lambda device, dtype: True)
+    monkeypatch.setattr(dflash2.config, "cpu_has_native_bf16", lambda: True)
+    assert cli._offline_dtype(EngineConfig(device="cpu")) == torch.bfloat16
