@@ -8,21 +8,26 @@ import time
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``avx2``, ``avx512_bf16`` …); empty where
+    that file cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bfloat16 matrices natively (``avx512_bf16`` or ``amx_bf16``).
 
     On such CPUs a bfloat16 forward over a verify block of 8 tokens costs little more than
     one token, while a float32 one costs about 1.7× (docs/engine.md).
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def available_memory_bytes() -> int | None:

@@ -47,7 +47,6 @@ from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.layers import (
-    PackedLinear,
     apply_rope,
     attention,
     can_prepack,
@@ -227,9 +226,9 @@ class StaticDrafter(nn.Module):
         self.norm, self.rotary = drafter.norm, drafter.rotary
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
-        self.head = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
-        # With the bfloat16 CPU kernel the head runs packed (see ModelRunner._static_modules).
-        self.head_linear: PackedLinear | None = None
+        # An nn.Linear, so that the runner packs it like every other layer (bfloat16 CPU kernel).
+        self.head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")
+        self.head.weight = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
         self.dtype = drafter.dtype
         self.block_offsets: torch.Tensor
         self.register_buffer("block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False)
@@ -270,8 +269,7 @@ class StaticDrafter(nn.Module):
         # A 2-D product: with a dynamic row count, a 3-D input became a bmm over a per-row copy of
         # the whole head (51.6 against 5.6 ms eager for a 4-row block on 2 cores).
         flat = hidden.reshape(num_rows * (self.block_size - 1), hidden.shape[-1])
-        projected = self.head_linear(flat) if self.head_linear is not None else F.linear(flat, self.head)
-        logits = projected.float().view(num_rows, self.block_size - 1, -1)
+        logits = self.head(flat).float().view(num_rows, self.block_size - 1, -1)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         return hidden, softcap(logits, c.final_logit_softcapping)
@@ -426,10 +424,6 @@ class ModelRunner:
             # The bfloat16 kernel is a custom op that graphs call with the packed weight as an input
             # (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
             packed = sum(prepack_linears(module) for _, module in modules)
-            for _, module in modules:
-                if isinstance(module, StaticDrafter):
-                    module.head_linear = PackedLinear(module.head.detach())
-                    packed += 1
             logger.info("packed %d linear layers of the compiled forwards for the bfloat16 CPU kernel", packed)
         return modules
 
@@ -500,8 +494,9 @@ class ModelRunner:
                 logger.info("compiled %s graph for %s row(s)%s in %.1f s", name, rows_label, width_label, elapsed)
 
     def _prepack_eager(self) -> None:
-        """Pre-pack the eager modules' linear weights (CPU bfloat16 only); the static modules
-        keep the dense weights they were built from."""
+        """Pre-pack the eager modules' linear weights (CPU bfloat16 only). The static modules were
+        built from the dense weights before; with oneDNN they keep them, with the bfloat16 CPU kernel
+        :meth:`_static_modules` packed their own."""
         backend = linear_backend(self.device, self.dtype)
         if backend is None:
             return

@@ -10,7 +10,7 @@ float32), float32 accumulation; see the file's header. Like llama.cpp's CPU matr
 it is written for few rows: decoding and verify blocks.
 
 It is built from source the first time it is needed (``torch.utils.cpp_extension``, with the C++
-compiler inductor uses; about a minute) into ``<dflash2 cache>/kernels/<hash>``, and loaded from
+compiler inductor uses; about 10 s on 2 cores) into ``<dflash2 cache>/kernels/<hash>``, and loaded from
 there afterwards. When it cannot be built, :func:`available` is False and the caller keeps the
 plain PyTorch path (with a warning).
 """
@@ -33,20 +33,11 @@ SOURCE = pathlib.Path(__file__).with_name("csrc") / "bf16_linear.cpp"
 _lock = threading.Lock()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def supported_cpu() -> bool:
     """True on an x86-64 Linux CPU with AVX2 and FMA (what the kernel's instructions need)."""
-    return {"avx2", "fma"} <= _cpu_flags()
+    from dflash2.platform import cpu_flags
+
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def build_dir() -> pathlib.Path:
@@ -70,7 +61,7 @@ def _load() -> bool:
     directory.mkdir(parents=True, exist_ok=True)
     built = any(directory.glob("*.so"))
     if not built:
-        logger.info("building the bfloat16 CPU linear kernel (once, about a minute) in %s", directory)
+        logger.info("building the bfloat16 CPU linear kernel (once, about 10 s) in %s", directory)
     try:
         load(
             name="dflash2_bf16_linear",
@@ -123,7 +114,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The dense ``[out_features, K]`` weight back from :func:`pack`'s layout (tests, saving)."""
+    """The dense ``[out_features, K]`` weight back from :func:`pack`'s layout (for checks)."""
     blocks, k, _ = packed.shape
     dense = packed.view(blocks, k, BLOCK // 2, 2).permute(0, 3, 2, 1).reshape(blocks * BLOCK, k)
     return dense[:out_features].contiguous()
