@@ -56,6 +56,7 @@ from dflash2.models.layers import (
     softcap,
 )
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
+from dflash2.precompiled import PrecompiledForward
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,17 @@ def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
         inductor_config.cpp.dynamic_threads = dynamic_threads
 
 
+def _target_shape_class(inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
+    """The CPU graph a :class:`StaticTarget` call needs: batch 1 or more, one query token or more."""
+    num_rows, width = inputs[0].shape
+    return ("rows=1" if num_rows == 1 else "rows=2+", "width=1" if width == 1 else "width=2+")
+
+
+def _draft_shape_class(inputs: Sequence[torch.Tensor]) -> str:
+    """The CPU graph a :class:`StaticDrafter` call needs: batch 1 or more."""
+    return "rows=1" if inputs[0].shape[0] == 1 else "rows=2+"
+
+
 def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
     """Keep every dynamo guard but the global-state one (grad mode, autocast, default dtype, thread
     count …). That guard would recompile a graph (20 s on CPU) whenever the engine changes torch's
@@ -381,7 +393,8 @@ class ModelRunner:
         self._cuda = self.device.type == "cuda"
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.compile_times: dict[str, float] = {}
+        self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
+        self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
         modules = []
         if not enforce_eager and self.device.type in ("cpu", "cuda"):
@@ -438,16 +451,20 @@ class ModelRunner:
         )
         _configure_compiler(self.device, self.dynamic_threads)
         for name, module in modules:
-            # CUDA: graphs replayed; CPU: inductor kernels without the global-state guard (see
-            # _without_global_state_guard). A fresh dict per call: torch.compile pops the filter from it.
-            settings: dict[str, Any] = (
-                {"mode": "reduce-overhead"}
-                if self._cuda
-                else {"options": {"guard_filter_fn": _without_global_state_guard}}
-            )
+            forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
             try:
-                # CPU: only the dims marked in the calls are dynamic (rows, keys); CUDA: static.
-                forward = torch.compile(module, dynamic=False if self._cuda else None, fullgraph=True, **settings)
+                if self._cuda:  # graphs recorded and replayed, static shapes
+                    forward = torch.compile(module, dynamic=False, fullgraph=True, mode="reduce-overhead")
+                else:
+                    # Inductor graphs saved for the next start, dispatched without dynamo (see
+                    # dflash2/precompiled.py); only the dims marked in the calls are dynamic (rows, keys).
+                    forward = PrecompiledForward(
+                        module,
+                        name,
+                        _target_shape_class if name == "target" else _draft_shape_class,
+                        _without_global_state_guard,
+                        settings=f"slots={self.num_slots} block={self.block_size}",
+                    )
                 self._warm_up(name, forward)
             except Exception as error:
                 logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))
@@ -458,10 +475,13 @@ class ModelRunner:
                 self._draft_forward = forward
         self.compile_seconds = time.perf_counter() - start
         if self.compile_times:
+            loaded = sum(source == "loaded" for source in self.graph_sources.values())
             logger.info(
-                "compiled %d graphs in %.1f s (cache: %s)",
+                "%d graphs ready in %.1f s (%d compiled, %d loaded; cache: %s)",
                 len(self.compile_times),
                 self.compile_seconds,
+                len(self.compile_times) - loaded,
+                loaded,
                 os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
             )
 
@@ -491,7 +511,9 @@ class ModelRunner:
                 rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
                 width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if name == "target" else ""
                 self.compile_times[f"{name} rows={rows_label}{width_label}"] = elapsed
-                logger.info("compiled %s graph for %s row(s)%s in %.1f s", name, rows_label, width_label, elapsed)
+                source = getattr(forward, "last_source", None) or "compiled"
+                self.graph_sources[f"{name} rows={rows_label}{width_label}"] = source
+                logger.info("%s %s graph for %s row(s)%s in %.1f s", source, name, rows_label, width_label, elapsed)
 
     def _prepack_eager(self) -> None:
         """Pre-pack the eager modules' linear weights (CPU bfloat16 only). The static modules were

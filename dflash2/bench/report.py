@@ -207,7 +207,8 @@ def serving_table(results: dict[str, Any]) -> list[str]:
 
 
 def startup_table(results: dict[str, Any]) -> list[str]:
-    """Seconds to ready with an empty and with a warm compile cache, and the compile time per graph."""
+    """Seconds to ready with an empty and with a warm compile cache, and the time per graph (marked
+    "loaded" where a saved graph was loaded instead of compiled)."""
     startup = results.get("startup")
     if not startup:
         return []
@@ -217,7 +218,11 @@ def startup_table(results: dict[str, Any]) -> list[str]:
         if "error" in run:
             body.append([label, "–", "–", run["error"]])
             continue
-        graphs = ", ".join(f"{k} {v:.1f} s" for k, v in (run.get("compile_seconds") or {}).items())
+        sources = run.get("graph_sources") or {}
+        graphs = ", ".join(
+            f"{k} {v:.1f} s{' (loaded)' if sources.get(k) == 'loaded' else ''}"
+            for k, v in (run.get("compile_seconds") or {}).items()
+        )
         body.append(
             [
                 label,

@@ -24,8 +24,8 @@ _TIMEOUT = 1800.0  # seconds per start-up (a cold compile on 2 cores takes minut
 
 def measure_startup(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """``{"block_size", "max_num_seqs", "cold": {...}, "warm": {...}}``; each run gives ``seconds``
-    to ready, ``compile_seconds`` per graph and whether the forwards were ``compiled``, or an
-    ``error``.
+    to ready, ``compile_seconds`` per graph, ``graph_sources`` (each graph "compiled" or "loaded"
+    from the saved graphs) and whether the forwards were ``compiled``, or an ``error``.
 
     The engine is the speculative server's: the run's ``max_num_seqs`` slots, so the batch-1 and
     the batch-≥2 graphs are both built."""
@@ -61,6 +61,7 @@ def _main(argv: list[str]) -> int:
         "seconds": time.perf_counter() - start,
         "compiled": engine.runner.compiled,
         "compile_seconds": engine.runner.compile_times,
+        "graph_sources": engine.runner.graph_sources,
     }
     print(json.dumps(report), flush=True)
     return 0

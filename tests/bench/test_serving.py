@@ -194,6 +194,13 @@ def test_startup_table_reports_ready_and_compiled_times() -> None:
     }
     table = "\n".join(startup_table(results))
     assert "| cold | 90.5 | yes | t 60.0 s |" in table and "not ready within 1800 s" in table
+    results["startup"]["warm"] = {
+        "seconds": 20.0,
+        "compiled": True,
+        "compile_seconds": {"t": 1.5},
+        "graph_sources": {"t": "loaded"},
+    }
+    assert "| warm | 20.0 | yes | t 1.5 s (loaded) |" in "\n".join(startup_table(results))
     assert startup_table({}) == []
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
+from dflash2.precompiled import PrecompiledForward
 from dflash2.runner import ModelRunner, key_length
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
@@ -55,11 +56,22 @@ def test_compiled_speculative_greedy_equals_eager_autoregressive(compiled_spec, 
     assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]  # batch 1 (its own graph)
 
 
+def built_graphs(engine) -> tuple[int, tuple, tuple]:
+    """Dynamo's graph count and the shape classes of the runner's compiled forwards."""
+    runner = engine.runner
+    return (
+        torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        runner._target_forward.shape_classes,
+        runner._draft_forward.shape_classes,
+    )
+
+
 def test_serving_never_recompiles(compiled_spec, reference):
     """Every graph is built at start-up: batches of 4, 2 and 1 at every verify width, decoded on
     another thread (as the server's engine thread does), add none."""
     llm = LLM.from_engine(compiled_spec)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = built_graphs(compiled_spec)
+    assert len(graphs[1]) == 4 and len(graphs[2]) == 2
     outputs: list[list[list[int]]] = []
 
     def decode() -> None:
@@ -71,14 +83,14 @@ def test_serving_never_recompiles(compiled_spec, reference):
     thread.start()
     thread.join()
     assert outputs == [reference, reference[:2], [reference[3]]]
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert built_graphs(compiled_spec) == graphs
 
 
 def test_thread_count_changes_recompile_nothing(compiled_spec, reference):
     """The engine moves between thread counts under load (dflash2/threads.py): the drafter's and the
     target's graphs then run at the new count as they are (a recompile costs 20 s on a real model)."""
     llm = LLM.from_engine(compiled_spec)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs = built_graphs(compiled_spec)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 1):
@@ -86,7 +98,22 @@ def test_thread_count_changes_recompile_nothing(compiled_spec, reference):
             assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == reference[:2]
     finally:
         torch.set_num_threads(before)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert built_graphs(compiled_spec) == graphs
+
+
+def test_a_restart_loads_the_saved_graphs(target, compiled_spec, reference):
+    """A second engine of the same shapes (as after a restart) loads every graph the first one saved,
+    without tracing, and gives the same tokens."""
+    assert set(compiled_spec.runner.graph_sources.values()) <= {"compiled", "loaded"}
+    engine = tiny_engine(
+        target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True
+    )
+    engine.threads = None
+    assert engine.runner.compiled and len(engine.runner.graph_sources) == 6
+    assert set(engine.runner.graph_sources.values()) == {"loaded"}
+    llm = LLM.from_engine(engine)
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]
 
 
 def test_compiled_autoregressive_equals_eager(reference):
@@ -155,10 +182,11 @@ def test_compiled_speculative_sampling_matches_target_distribution():
 
 
 def test_compile_failure_falls_back_to_eager(target, reference, monkeypatch, caplog):
-    def broken_compile(*args, **kwargs):
+    def broken_build(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
+    # Neither compiling nor loading a saved graph works.
+    monkeypatch.setattr(PrecompiledForward, "_build", broken_build)
     with caplog.at_level(logging.WARNING, logger="dflash2.runner"):
         engine = compiled(tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, enforce_eager=False))
     assert not engine.runner.compiled
