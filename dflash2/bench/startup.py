@@ -28,8 +28,14 @@ def measure_startup(config: BenchConfig, progress: Callable[[str], None]) -> dic
     from the saved graphs) and whether the forwards were ``compiled``, or an ``error``.
 
     The engine is the speculative server's: the run's ``max_num_seqs`` slots, so the batch-1 and
-    the batch-≥2 graphs are both built."""
-    engine = config.engine_config(config.serving_block_size, True, max_num_seqs=config.engine.max_num_seqs)
+    the batch-≥2 graphs are both built, and the server's adaptive policy (unless the run says
+    ``--no-speculative-adaptive``), so ready includes timing its step costs."""
+    engine = config.engine_config(
+        config.serving_block_size,
+        True,
+        max_num_seqs=config.engine.max_num_seqs,
+        speculative_adaptive=config.engine.speculative_adaptive,
+    )
     result: dict[str, Any] = {"block_size": config.serving_block_size, "max_num_seqs": engine.max_num_seqs}
     with tempfile.TemporaryDirectory(prefix="dflash2-startup-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}

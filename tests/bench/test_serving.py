@@ -204,6 +204,32 @@ def test_startup_table_reports_ready_and_compiled_times() -> None:
     assert startup_table({}) == []
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_startup_runs_the_servers_engine_cold_then_warm(monkeypatch: pytest.MonkeyPatch, adaptive: bool) -> None:
+    """Both starts share one fresh cache folder and build the speculative server's engine: its slots and
+    its adaptive policy (whose step-cost timing is part of getting ready)."""
+    import json
+    import subprocess
+
+    from dflash2.bench import startup
+
+    calls: list[tuple[dict, str]] = []
+
+    def fake_run(command, env, **kwargs):
+        calls.append((json.loads(command[-1]), env["TORCHINDUCTOR_CACHE_DIR"]))
+        report = {"seconds": 1.0 + len(calls), "compiled": True, "compile_seconds": {}}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(report) + "\n", stderr="")
+
+    monkeypatch.setattr(startup.subprocess, "run", fake_run)
+    config = BenchConfig(engine=EngineConfig(max_num_seqs=8, speculative_adaptive=adaptive), block_sizes=(8,))
+    result = startup.measure_startup(config, lambda message: None)
+    assert [run["seconds"] for run in (result["cold"], result["warm"])] == [2.0, 3.0]
+    (first, cache), (second, cache_again) = calls
+    assert first == second and cache == cache_again
+    assert first["max_num_seqs"] == 8 and first["block_size"] == 8
+    assert first["speculative_adaptive"] is adaptive
+
+
 def fake_servers(monkeypatch: pytest.MonkeyPatch, server, round_) -> None:
     """``run_serving`` against stand-ins: ``server`` for ``started_server``, ``round_`` for each round."""
     monkeypatch.setattr(serving, "started_server", server)
