@@ -25,6 +25,7 @@ package's model code. Anything else reads weights and caches from the module whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import sys
@@ -56,7 +57,6 @@ def graphs_dir() -> Path:
 class _Graph:
     function: Any  # torch._dynamo.aot_compile.AOTCompiledFunction
     checked: bool = False  # guards evaluated once in this process
-    source: str = "compiled"  # "compiled" or "loaded"
 
 
 class PrecompiledForward:
@@ -137,7 +137,7 @@ class PrecompiledForward:
                 with open(path, "rb") as f:
                     function = torch.compiler.load_compiled_function(f)
                 self.last_source = "loaded"
-                return _Graph(function, source="loaded")
+                return _Graph(function)
             except Exception as error:  # a stale or truncated file: compile again
                 logger.warning("could not load %s (%s: %s); compiling again", path, type(error).__name__, error)
         return self._compile(label, inputs)
@@ -157,7 +157,7 @@ class PrecompiledForward:
         except Exception as error:
             logger.warning("could not save the %s graph for %s (%s: %s)", self.name, label, type(error).__name__, error)
         self.last_source = "compiled"
-        return _Graph(function, source="compiled")
+        return _Graph(function)
 
     def _savable_guards(self, guards: Sequence[Any]) -> list[bool]:
         from torch._dynamo.guards import CheckFunctionManager
@@ -199,16 +199,11 @@ def _is_constant(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-_digest: str | None = None
-
-
+@functools.cache
 def _sources_digest() -> str:
-    global _digest
-    if _digest is None:
-        h = hashlib.sha256()
-        for pattern in _SOURCES:
-            for path in sorted(_SOURCE_ROOT.glob(pattern)):
-                h.update(path.relative_to(_SOURCE_ROOT).as_posix().encode())
-                h.update(path.read_bytes())
-        _digest = h.hexdigest()
-    return _digest
+    h = hashlib.sha256()
+    for pattern in _SOURCES:
+        for path in sorted(_SOURCE_ROOT.glob(pattern)):
+            h.update(path.relative_to(_SOURCE_ROOT).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()

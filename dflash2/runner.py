@@ -510,9 +510,9 @@ class ModelRunner:
                 elapsed = time.perf_counter() - start
                 rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
                 width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if name == "target" else ""
-                self.compile_times[f"{name} rows={rows_label}{width_label}"] = elapsed
+                graph = f"{name} rows={rows_label}{width_label}"
                 source = getattr(forward, "last_source", None) or "compiled"
-                self.graph_sources[f"{name} rows={rows_label}{width_label}"] = source
+                self.compile_times[graph], self.graph_sources[graph] = elapsed, source
                 logger.info("%s %s graph for %s row(s)%s in %.1f s", source, name, rows_label, width_label, elapsed)
 
     def _prepack_eager(self) -> None:
