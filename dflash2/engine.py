@@ -126,6 +126,7 @@ class Engine:
             enforce_eager=config.enforce_eager,
             deterministic=config.deterministic,
             dynamic_threads=self.threads is not None,
+            use_selector=config.use_selector,
         )
         self.scheduler = Scheduler(config.max_num_seqs)
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
@@ -257,7 +258,7 @@ class Engine:
         rows = anchors.shape[0]
         temperatures = torch.zeros(rows, device=self.device)
         uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
-        self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
+        self.runner.propose(hidden, logits, anchors, temperatures, uniforms)
 
     @property
     def is_speculative(self) -> bool:
@@ -628,7 +629,7 @@ class Engine:
         assert self.drafter is not None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
         uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
-        proposal = self.drafter.propose(hidden, logits, anchors, temperatures, uniforms, self.config.use_selector)
+        proposal = self.runner.propose(hidden, logits, anchors, temperatures, uniforms)
         stats.select_time += time.perf_counter() - start
         return proposal
 

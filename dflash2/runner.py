@@ -3,7 +3,9 @@
 ``ModelRunner`` runs prefill, draft, verify and the drafter's context append on tensors, so
 ``Engine.step`` only schedules, accepts and commits. Decode-time forwards (verify, the
 autoregressive step, the drafter's block) run through compiled static-shape modules
-(:class:`StaticTarget`, :class:`StaticDrafter`) unless ``EngineConfig.enforce_eager``:
+(:class:`StaticTarget`, :class:`StaticDrafter`; on CPU also the drafter's context append,
+:class:`StaticContext`, and the choice of the drafted path, :class:`StaticSelector`) unless
+``EngineConfig.enforce_eager``:
 
 * **CPU**: ``torch.compile`` with inductor, the weights as graph inputs (not frozen: see
   ``_configure_compiler``). Positions, slots and the key range are tensors, so
@@ -45,7 +47,7 @@ from torch import nn
 
 from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
-from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.drafter import DFlashDrafter, DraftLayer
 from dflash2.models.layers import (
     apply_rope,
     attention,
@@ -57,6 +59,7 @@ from dflash2.models.layers import (
 )
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.precompiled import PrecompiledForward
+from dflash2.selector import Proposal, SelectorWeights, lattice_scores, topk_candidates, walk
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +279,97 @@ class StaticDrafter(nn.Module):
         return hidden, softcap(logits, c.final_logit_softcapping)
 
 
+class StaticContext(nn.Module):
+    """The drafter's context append ("KV injection", spec §2.2) as a static-shape forward, for
+    compilation: target features → ``hidden_norm(fc(·))`` → each layer's K/V at the tokens'
+    positions, written into the draft cache (buffers, one per layer, views of the shared cache).
+
+    Shares the drafter's fusion layers and the :class:`StaticDrafter`'s decoder layers (the ones
+    its graph reads, pre-packed on CPU bfloat16), so both graphs use the same weights.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache, layers: nn.ModuleList) -> None:
+        super().__init__()
+        self.fc, self.hidden_norm, self.rotary = drafter.fc, drafter.hidden_norm, drafter.rotary
+        self.layers = layers
+        self.dtype = drafter.dtype
+        self.kv_heads: torch.Tensor
+        self.register_buffer("kv_heads", torch.arange(cache.k.shape[2], device=cache.k.device), persistent=False)
+        for i in range(len(layers)):
+            self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
+            self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
+
+    def forward(self, features: torch.Tensor, write_slots: torch.Tensor, write_positions: torch.Tensor) -> torch.Tensor:
+        """Write the context K/V of ``features [R, L, F·H]`` at ``(write_slots, write_positions)
+        [R, L]`` (padding goes to the scratch slot).
+
+        Returns:
+            the fused context ``[R, L, H]`` (what the K/V were projected from).
+        """
+        context = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rotary(write_positions, context.dtype)
+        index = (write_slots[:, :, None], self.kv_heads[None, None, :], write_positions[:, :, None])
+        for i, layer in enumerate(cast(list[DraftLayer], list(self.layers))):
+            k, v = layer.self_attn.key_value(context, cos, sin)  # [R, nkv, L, d]
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            k_cache.index_put_(index, k.transpose(1, 2).to(k_cache.dtype))
+            v_cache.index_put_(index, v.transpose(1, 2).to(v_cache.dtype))
+        return context
+
+
+class StaticSelector(nn.Module):
+    """The drafted path's choice — top-k candidates, the DFlash 2 lattice and the walk (spec §4,
+    ``dflash2/selector.py``) — as one module, for compilation. Eagerly it is some 80 small
+    operations per step, about 1.4 ms on 2 CPU cores for SmolLM2's drafter.
+
+    Args:
+        drafter: supplies the candidate count, the draft vocabulary and the selector tensors
+            (registered here as buffers; the drafter keeps its own).
+        use_selector: walk the lattice (False: per-slot unary scores, as ``EngineConfig.use_selector``).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, use_selector: bool) -> None:
+        super().__init__()
+        self.num_candidates = drafter.num_candidates
+        # Only tensors are registered (a None buffer breaks a graph's guards when rows are dynamic).
+        self.draft_vocab: torch.Tensor
+        self.has_draft_vocab = drafter.draft_vocab is not None
+        if drafter.draft_vocab is not None:
+            self.register_buffer("draft_vocab", drafter.draft_vocab.detach(), persistent=False)
+        weights = drafter.selector_weights() if use_selector else None
+        self.use_lattice = weights is not None
+        self.predecessor_codebook: torch.Tensor
+        self.successor_codebook: torch.Tensor
+        self.hidden_projection: torch.Tensor
+        if weights is not None:
+            for name in ("predecessor_codebook", "successor_codebook", "hidden_projection"):
+                self.register_buffer(name, getattr(weights, name).detach(), persistent=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`DFlashDrafter.propose` on ``hidden [R, J, H]``, ``logits [R, J, V or Vd]``,
+        ``anchor_ids [R]``, ``temperatures [R]`` and ``uniforms [R, J]``.
+
+        Returns:
+            ``(draft_ids [R, J], candidate_ids [R, J, k], draft_probs [R, J, k])`` (a :class:`Proposal`).
+        """
+        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
+        if self.has_draft_vocab:
+            candidate_ids = self.draft_vocab[candidate_ids]
+        lattice = None
+        if self.use_lattice:
+            weights = SelectorWeights(self.predecessor_codebook, self.successor_codebook, self.hidden_projection)
+            lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights)
+        proposal = walk(candidate_ids, unary, lattice, temperatures, uniforms)
+        return proposal.draft_ids, proposal.candidate_ids, proposal.draft_probs
+
+
 def inductor_cache_dir() -> str:
     """Where compiled graphs are cached: ``<dflash2 cache>/inductor`` (unless
     ``$TORCHINDUCTOR_CACHE_DIR`` is set)."""
@@ -314,13 +408,22 @@ def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
 
 def _target_shape_class(inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
     """The CPU graph a :class:`StaticTarget` call needs: batch 1 or more, one query token or more."""
-    num_rows, width = inputs[0].shape
+    num_rows, width = inputs[0].shape[:2]
     return ("rows=1" if num_rows == 1 else "rows=2+", "width=1" if width == 1 else "width=2+")
 
 
-def _draft_shape_class(inputs: Sequence[torch.Tensor]) -> str:
-    """The CPU graph a :class:`StaticDrafter` call needs: batch 1 or more."""
+def _rows_class(inputs: Sequence[torch.Tensor]) -> str:
+    """The CPU graph a :class:`StaticDrafter` or :class:`StaticSelector` call needs: batch 1 or more."""
     return "rows=1" if inputs[0].shape[0] == 1 else "rows=2+"
+
+
+_FORWARD_NAMES = {"target": "target", "drafter": "draft", "context": "context", "selector": "select"}
+_SHAPE_CLASSES: dict[str, Callable[[Sequence[torch.Tensor]], Any]] = {
+    "target": _target_shape_class,  # inputs[0]: input_ids [R, L]
+    "drafter": _rows_class,
+    "context": _target_shape_class,  # inputs[0]: features [R, L, F·H]
+    "selector": _rows_class,
+}
 
 
 def _without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
@@ -349,6 +452,7 @@ class ModelRunner:
         enforce_eager: never compile.
         dynamic_threads: the engine changes torch's CPU thread count while it runs
             (``dflash2/threads.py``): compiled kernels then read the count when they run.
+        use_selector: the drafted path walks the DFlash 2 lattice (``EngineConfig.use_selector``).
         deterministic: the engine runs its steps batch-invariant
             (:func:`dflash2.models.layers.batch_invariant`); forwards then run eagerly, because the
             compiled graphs fuse and reorder the very reductions that mode fixes.
@@ -367,8 +471,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         deterministic: bool = False,
         dynamic_threads: bool = False,
+        use_selector: bool = True,
     ) -> None:
         self.target, self.drafter = target, drafter
+        self.use_selector = use_selector
         self.dynamic_threads = dynamic_threads
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
@@ -393,6 +499,8 @@ class ModelRunner:
         self._cuda = self.device.type == "cuda"
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._context_forward: Callable[..., torch.Tensor] | None = None
+        self._select_forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
@@ -433,6 +541,14 @@ class ModelRunner:
             own_layers = can_prepack(self.device, self.dtype)  # the eager drafter is packed in place
             drafter = StaticDrafter(self.drafter, self.draft_cache, self.block_size, own_layers)
             modules.append(("drafter", drafter.eval()))
+            if not self._cuda:
+                # Small and shaped by the step (context widths up to a prompt, any row count): CUDA
+                # graphs would record one per shape, so on CUDA these two stay eager.
+                context = StaticContext(self.drafter, self.draft_cache, drafter.layers)
+                if own_layers:  # the eager drafter's fusion layer is packed in place too
+                    context.fc = copy.deepcopy(context.fc)
+                modules.append(("context", context.eval()))
+                modules.append(("selector", StaticSelector(self.drafter, self.use_selector).eval()))
         if linear_backend(self.device, self.dtype) == "kernel":
             # The bfloat16 kernel is a custom op that graphs call with the packed weight as an input
             # (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
@@ -451,7 +567,7 @@ class ModelRunner:
         )
         _configure_compiler(self.device, self.dynamic_threads)
         for name, module in modules:
-            forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+            forward: Callable[..., Any]
             try:
                 if self._cuda:  # graphs recorded and replayed, static shapes
                     forward = torch.compile(module, dynamic=False, fullgraph=True, mode="reduce-overhead")
@@ -461,7 +577,7 @@ class ModelRunner:
                     forward = PrecompiledForward(
                         module,
                         name,
-                        _target_shape_class if name == "target" else _draft_shape_class,
+                        _SHAPE_CLASSES[name],
                         _without_global_state_guard,
                         settings=f"slots={self.num_slots} block={self.block_size}",
                     )
@@ -469,10 +585,7 @@ class ModelRunner:
             except Exception as error:
                 logger.warning("compiling the %s failed, running it eagerly: %s", name, _short(error))
                 continue
-            if name == "target":
-                self._target_forward = forward
-            else:
-                self._draft_forward = forward
+            setattr(self, f"_{_FORWARD_NAMES[name]}_forward", forward)
         self.compile_seconds = time.perf_counter() - start
         if self.compile_times:
             loaded = sum(source == "loaded" for source in self.graph_sources.values())
@@ -491,25 +604,35 @@ class ModelRunner:
             return [*(b for b in CUDA_ROW_BUCKETS if b < self.num_slots), _bucket_rows(self.num_slots, self.num_slots)]
         return [1, 2] if self.num_slots >= 2 else [1]
 
-    def _warm_up(self, name: str, forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _warm_up(self, name: str, forward: Callable[..., Any]) -> None:
         """Build every graph now (rows on the scratch slot only), not in the middle of a request:
-        per row bucket, the drafter's block, and the target at width 1 and at the block width (on
-        CPU one graph covers every width from 2 to the block)."""
-        widths = dict.fromkeys((1, self.block_size)) if name == "target" else {self.block_size: None}
+        per row bucket, the drafter's block and the selector, and the target and the context append
+        at width 1 and at the block width (on CPU one graph covers every width from 2 up)."""
+        widths = dict.fromkeys((1, self.block_size)) if name in ("target", "context") else {self.block_size: None}
         for num_rows in dict.fromkeys(self._row_buckets()):
             for width in widths:
                 start = time.perf_counter()
+                slots = [self.scratch_slot] * num_rows
                 for _ in range(2 if self._cuda else 1):  # CUDA graphs are recorded on a later call
                     if name == "target":
-                        rows = [[0] * width] * num_rows
-                        self._target_call([self.scratch_slot] * num_rows, rows, [0] * num_rows, forward)
-                    else:
-                        slots = [self.scratch_slot] * num_rows
+                        self._target_call(slots, [[0] * width] * num_rows, [0] * num_rows, forward)
+                    elif name == "context":
+                        assert self.drafter is not None
+                        features = torch.zeros(
+                            num_rows, width, self.drafter.fc.in_features, dtype=self.dtype, device=self.device
+                        )
+                        self._context_call(slots, [0] * num_rows, features, [width] * num_rows, forward)
+                    elif name == "drafter":
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
                         self._draft_call(slots, anchors, torch.ones_like(anchors), forward)
+                    else:  # the selector, on a drafted block
+                        anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+                        hidden, logits = self.draft(slots, anchors, torch.ones_like(anchors))
+                        zeros = torch.zeros(num_rows, self.block_size - 1, device=self.device)
+                        self._select_call(hidden, logits, anchors, zeros[:, 0], zeros, forward)
                 elapsed = time.perf_counter() - start
                 rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
-                width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if name == "target" else ""
+                width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if len(widths) > 1 else ""
                 graph = f"{name} rows={rows_label}{width_label}"
                 source = getattr(forward, "last_source", None) or "compiled"
                 self.compile_times[graph], self.graph_sources[graph] = elapsed, source
@@ -644,6 +767,45 @@ class ModelRunner:
             hidden, logits = forward(anchors, start_tensor, read_slots, keys)
         return hidden[:num_rows], logits[:num_rows]
 
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> Proposal:
+        """The drafted path of each row from the drafter's block (:meth:`draft`): top-k candidates,
+        the DFlash 2 lattice (unless ``use_selector`` is off) and the walk — compiled on CPU,
+        else :meth:`DFlashDrafter.propose`.
+
+        Args:
+            hidden: ``[R, J, H]``; logits: ``[R, J, V or Vd]`` float32; anchor_ids: ``[R]``;
+            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
+        """
+        assert self.drafter is not None
+        if self._select_forward is None:
+            return self.drafter.propose(hidden, logits, anchor_ids, temperatures, uniforms, self.use_selector)
+        return Proposal(*self._select_call(hidden, logits, anchor_ids, temperatures, uniforms))
+
+    def _select_call(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        forward = self._select_forward if forward is None else forward
+        assert forward is not None
+        with _compiled_mode():
+            inputs = [_graph_input(t) for t in (hidden, logits, anchor_ids, temperatures, uniforms)]
+            if inputs[0].shape[0] >= 2:
+                for t in inputs:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            return forward(*inputs)
+
     def append_context(
         self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
     ) -> None:
@@ -653,12 +815,46 @@ class ModelRunner:
         covers every position whose target feature is known (spec §10 cache discipline).
         """
         assert self.drafter is not None and self.draft_cache is not None
+        if self._context_forward is not None:
+            self._context_call(slots, starts, features, lengths)
+            return
         width = features.shape[1]
         offsets = torch.arange(width, device=self.device)[None]
         keep = offsets < torch.tensor(lengths, device=self.device)[:, None]  # [R, L]
         positions = torch.tensor(starts, device=self.device)[:, None] + offsets
         flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
         self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
+        for slot, start, n in zip(slots, starts, lengths):
+            self.draft_cache.rollback(slot, start + n)
+
+    def _context_call(
+        self,
+        slots: list[int],
+        starts: list[int],
+        features: torch.Tensor,
+        lengths: Sequence[int],
+        forward: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        """:meth:`append_context` through the compiled :class:`StaticContext`: each row's positions
+        past its length write into the scratch slot, as a verify forward's padding does."""
+        forward = self._context_forward if forward is None else forward
+        assert forward is not None and self.draft_cache is not None
+        num_rows, width = features.shape[:2]
+        with _compiled_mode():
+            offsets = torch.arange(width)[None]
+            real = offsets < torch.tensor(lengths)[:, None]
+            write_slots = torch.where(real, torch.tensor(slots)[:, None], self.scratch_slot)
+            write_positions = torch.where(real, torch.tensor(starts)[:, None] + offsets, offsets)
+            inputs = [
+                _graph_input(features),
+                write_slots.to(self.device),
+                write_positions.to(self.device),
+            ]
+            for dim, size in ((0, num_rows), (1, width)):
+                if size >= 2:
+                    for t in inputs:
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
+            forward(*inputs)
         for slot, start, n in zip(slots, starts, lengths):
             self.draft_cache.rollback(slot, start + n)
 
@@ -753,6 +949,14 @@ def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -
             f"--deterministic needs a target the project decodes itself ({', '.join(SUPPORTED_MODEL_TYPES)}), "
             f"not the {type(target).__name__} fallback"
         )
+
+
+def _graph_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a compiled graph may take it on every call: contiguous, not a view (a view's guards
+    read its base), not an inference tensor (the engine's may be). Copies only when needed."""
+    if t.is_inference() or t._base is not None or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def walk(
         cdf = q.cumsum(dim=-1)
         sampled = torch.searchsorted(cdf, uniforms[:, j : j + 1] * cdf[:, -1:], right=True).squeeze(-1)
         index = torch.where(greedy, scores.argmax(dim=-1), sampled.clamp(max=k - 1))
-        one_hot = torch.nn.functional.one_hot(index, k).float()
+        one_hot = (index[:, None] == torch.arange(k, device=index.device)).float()  # compiles, unlike F.one_hot
         probs.append(torch.where(greedy[:, None], one_hot, q))
         chosen.append(index)
         prev_index = index

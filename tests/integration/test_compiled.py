@@ -44,7 +44,9 @@ def compiled_spec(target):
     drafter = tiny_drafter(target, 2, 8)
     threads = torch.get_num_threads()
     engine = compiled(tiny_engine(target, drafter, 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True))
-    assert engine.runner.compiled and engine.runner._draft_forward is not None
+    runner = engine.runner
+    assert runner.compiled and runner._draft_forward is not None
+    assert runner._context_forward is not None and runner._select_forward is not None
     engine.threads = None
     torch.set_num_threads(threads)  # start-up may have settled on fewer (busy cores)
     return engine
@@ -56,13 +58,16 @@ def test_compiled_speculative_greedy_equals_eager_autoregressive(compiled_spec, 
     assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]  # batch 1 (its own graph)
 
 
-def built_graphs(engine) -> tuple[int, tuple, tuple]:
-    """Dynamo's graph count and the shape classes of the runner's compiled forwards."""
+def built_graphs(engine) -> tuple[int, tuple, tuple, tuple, tuple]:
+    """Dynamo's graph count and the shape classes of the runner's compiled forwards (target, drafter,
+    context append, selector)."""
     runner = engine.runner
     return (
         torch._dynamo.utils.counters["stats"]["unique_graphs"],
         runner._target_forward.shape_classes,
         runner._draft_forward.shape_classes,
+        runner._context_forward.shape_classes,
+        runner._select_forward.shape_classes,
     )
 
 
@@ -71,7 +76,7 @@ def test_serving_never_recompiles(compiled_spec, reference):
     another thread (as the server's engine thread does), add none."""
     llm = LLM.from_engine(compiled_spec)
     graphs = built_graphs(compiled_spec)
-    assert len(graphs[1]) == 4 and len(graphs[2]) == 2
+    assert [len(classes) for classes in graphs[1:]] == [4, 2, 4, 2]
     outputs: list[list[list[int]]] = []
 
     def decode() -> None:
@@ -109,7 +114,7 @@ def test_a_restart_loads_the_saved_graphs(target, compiled_spec, reference):
         target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True
     )
     engine.threads = None
-    assert engine.runner.compiled and len(engine.runner.graph_sources) == 6
+    assert engine.runner.compiled and len(engine.runner.graph_sources) == 12
     assert set(engine.runner.graph_sources.values()) == {"loaded"}
     llm = LLM.from_engine(engine)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference
@@ -161,6 +166,50 @@ def test_compiled_verify_matches_eager_logits(target, compiled_spec):
     for r, row in enumerate(rows):
         torch.testing.assert_close(got[r, : len(row)], expected[r, : len(row)], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_features[r, : len(row)], expected_features[r, : len(row)], atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_context_append_matches_eager(target, compiled_spec):
+    """The compiled context append writes the eager one's drafter K/V at each row's positions, and its
+    padding (rows shorter than the widest) writes only the scratch slot."""
+    eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
+    fast: ModelRunner = compiled_spec.runner
+    assert eager.draft_cache is not None and fast.draft_cache is not None
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 5, fast.drafter.fc.in_features, generator=generator)
+    before = fast.draft_cache.k.clone()
+    for runner in (eager, fast):
+        runner.append_context([0, 2], [4, 9], features, [5, 2])
+    for cache in ("k", "v"):
+        expected, got = getattr(eager.draft_cache, cache), getattr(fast.draft_cache, cache)
+        torch.testing.assert_close(got[:, 0, :, 4:9], expected[:, 0, :, 4:9], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[:, 2, :, 9:11], expected[:, 2, :, 9:11], atol=1e-5, rtol=1e-5)
+    changed = (fast.draft_cache.k != before).any(-1).any(0).any(1)  # [slots, positions]
+    assert changed[0, 4:9].all() and changed[2, 9:11].all()
+    changed[0, 4:9] = changed[2, 9:11] = False
+    assert not changed[: fast.scratch_slot].any()
+    assert fast.draft_cache.lengths[0] == 9 and fast.draft_cache.lengths[2] == 11
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_selector_matches_eager(compiled_spec, temperature):
+    """The compiled top-k, lattice and walk choose the eager path's drafts, with its proposal
+    probabilities, for batch 1 and batch 3 (their two graphs)."""
+    runner: ModelRunner = compiled_spec.runner
+    drafter = runner.drafter
+    assert drafter is not None and drafter.selector_weights() is not None
+    generator = torch.Generator().manual_seed(1)
+    for rows in (1, 3):
+        slots = [runner.scratch_slot] * rows
+        anchors = torch.randint(0, 50, (rows,), generator=generator)
+        hidden, logits = runner.draft(slots, anchors, torch.full((rows,), 5))
+        logits = logits + 4 * torch.randn(logits.shape, generator=generator)  # spread the scores
+        temperatures = torch.full((rows,), temperature)
+        uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
+        expected = drafter.propose(hidden, logits, anchors, temperatures, uniforms, use_selector=True)
+        got = runner.propose(hidden, logits, anchors, temperatures, uniforms)
+        assert torch.equal(got.draft_ids, expected.draft_ids)
+        assert torch.equal(got.candidate_ids, expected.candidate_ids)
+        torch.testing.assert_close(got.draft_probs, expected.draft_probs, atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_speculative_sampling_matches_target_distribution():
