@@ -5,7 +5,7 @@ Lake), oneDNN does not run bfloat16 matrices and ATen's generic fallback multipl
 of 8 rows at about 2 GB/s of weights (measured: the 210 decoder linears and LM head of SmolLM2-135M
 took 126 ms for 8 rows, 20 ms for one, against 9–25 ms for either at the memory bandwidth).
 ``csrc/bf16_linear.cpp`` is a small matrix kernel for exactly this case: weights pre-packed into
-blocks of 16 output features, expanded to float32 in registers (a bfloat16 is the top half of a
+blocks of 24 output features, expanded to float32 in registers (a bfloat16 is the top half of a
 float32), float32 accumulation; see the file's header. Like llama.cpp's CPU matrix-vector kernels
 it is written for few rows: decoding and verify blocks.
 
@@ -28,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 16  # output features per packed block (kBlock in the C++ source)
+BLOCK = 24  # output features per packed block (kBlock in the C++ source)
+PAIRED = 16  # of which the first 16 are stored as pairs in 32-bit lanes, the last 8 singly
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "bf16_linear.cpp"
 _lock = threading.Lock()
 
@@ -93,12 +94,12 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """Pack a bfloat16 ``[N, K]`` weight into the kernel's layout ``[⌈N/16⌉, K, 16]``.
+    """Pack a bfloat16 ``[N, K]`` weight into the kernel's layout ``[⌈N/24⌉, 24·K]``.
 
-    Block ``b`` holds output features ``16b … 16b + 15``; within one ``k`` the 16 values interleave
-    features ``16b + i`` (even places) and ``16b + 8 + i`` (odd places), so one 32-bit lane holds a
-    pair that the kernel splits into two float32 vectors with a shift and a mask. Rows past ``N``
-    are zero.
+    Row ``b`` holds output features ``24b … 24b + 23``: first ``K × 16`` pairs, where within one
+    ``k`` place ``2i`` holds feature ``24b + i`` and place ``2i + 1`` feature ``24b + 8 + i`` (so one
+    32-bit lane holds a pair that the kernel splits into two float32 vectors with a shift and a mask),
+    then ``K × 8`` singles, features ``24b + 16 … 24b + 23``. Features past ``N`` are zero.
 
     Raises:
         ValueError: when ``weight`` is not a 2-D bfloat16 CPU tensor.
@@ -107,16 +108,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack() takes a 2-D bfloat16 CPU weight")
     n, k = weight.shape
     blocks = -(-n // BLOCK)
-    padded = weight.detach().new_zeros(blocks * BLOCK, k)
-    padded[:n] = weight.detach()
-    # [blocks, half, i, K] → [blocks, K, i, half]: place 2i + half holds feature 16b + 8·half + i.
-    return padded.view(blocks, 2, BLOCK // 2, k).permute(0, 3, 2, 1).contiguous().view(blocks, k, BLOCK)
+    padded = weight.detach().new_zeros(blocks * BLOCK, k).view(blocks, BLOCK, k)
+    padded.view(blocks * BLOCK, k)[:n] = weight.detach()
+    # [blocks, half, i, K] → [blocks, K, i, half]: place 2i + half holds feature 24b + 8·half + i.
+    pairs = padded[:, :PAIRED].reshape(blocks, 2, PAIRED // 2, k).permute(0, 3, 2, 1).reshape(blocks, k * PAIRED)
+    singles = padded[:, PAIRED:].transpose(1, 2).reshape(blocks, k * (BLOCK - PAIRED))
+    return torch.cat([pairs, singles], dim=1).contiguous()
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The dense ``[out_features, K]`` weight back from :func:`pack`'s layout (for checks)."""
-    blocks, k, _ = packed.shape
-    dense = packed.view(blocks, k, BLOCK // 2, 2).permute(0, 3, 2, 1).reshape(blocks * BLOCK, k)
+    blocks, width = packed.shape
+    k = width // BLOCK
+    pairs = packed[:, : k * PAIRED].reshape(blocks, k, PAIRED // 2, 2).permute(0, 3, 2, 1)
+    singles = packed[:, k * PAIRED :].reshape(blocks, k, BLOCK - PAIRED).transpose(1, 2)
+    dense = torch.cat([pairs.reshape(blocks, PAIRED, k), singles], dim=1).reshape(blocks * BLOCK, k)
     return dense[:out_features].contiguous()
 
 

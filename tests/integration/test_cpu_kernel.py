@@ -20,11 +20,11 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (16, 64), (33, 130), (100, 9)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (16, 64), (24, 5), (33, 130), (100, 9)])
 def test_pack_round_trips_and_pads_with_zeros(n, k):
     weight = torch.randn(n, k).to(torch.bfloat16)
     packed = cpu_kernels.pack(weight)
-    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == torch.bfloat16
+    assert packed.shape == (-(-n // 24), 24 * k) and packed.dtype == torch.bfloat16
     assert torch.equal(cpu_kernels.unpack(packed, n), weight)
     assert int(packed.count_nonzero()) == int(weight.count_nonzero())  # the padding rows are zeros
 
@@ -81,7 +81,7 @@ def test_bad_shapes_raise():
     with pytest.raises(RuntimeError, match="last dimension must be 16"):
         cpu_kernels.linear(torch.randn(2, 15), packed, None, 32)
     with pytest.raises(RuntimeError, match="out_features does not match"):
-        cpu_kernels.linear(torch.randn(2, 16), packed, None, 48)
+        cpu_kernels.linear(torch.randn(2, 16), packed, None, 56)  # 3 blocks of 24, not 2
 
 
 def test_the_op_passes_torch_library_checks():

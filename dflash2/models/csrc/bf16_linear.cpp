@@ -3,14 +3,18 @@
 // slow generic code for bfloat16 matrices. Built and loaded by dflash2/models/cpu_kernels.py.
 //
 // Decoding multiplies a few rows (1 token, or a verify block of up to 16) by every weight matrix:
-// the work is reading the weights. The weights are packed once, at load, into blocks of 16 output
-// features: packed[b][k][2i] = W[16b + i][k] and packed[b][k][2i + 1] = W[16b + 8 + i][k]. One
-// 32-byte load then holds 16 weights of one k; shifting each 32-bit lane left by 16 gives the first
-// eight as float32 and masking off its low half gives the other eight (a bfloat16 is the top half of
-// a float32). Each row's x[m][k] is broadcast and multiplied into two accumulators of 8 outputs
-// (a register tile of up to 4 rows × 16 outputs). Every output is one float32 sum in the order
-// k = 0, 1, … K − 1, whatever the number of rows or the row's place among them, so a row's result
-// does not depend on the batch. Threads split the blocks of output features.
+// the work is reading the weights, and from about 5 rows on, the multiply-adds. The weights are
+// packed once, at load, into blocks of 24 output features. Block b holds K × 16 "pairs" followed by
+// K × 8 "singles": pairs[k][2i] = W[24b + i][k], pairs[k][2i + 1] = W[24b + 8 + i][k] and
+// singles[k][i] = W[24b + 16 + i][k] (i < 8). One 32-byte load then holds 16 weights of one k;
+// shifting each 32-bit lane left by 16 gives the first eight as float32 and masking off its low half
+// the next eight (a bfloat16 is the top half of a float32); a 16-byte load, widened and shifted,
+// gives the last eight. Each row's x[m][k] is broadcast and multiplied into three accumulators of 8
+// outputs: a register tile of up to 4 rows × 24 outputs is 12 accumulators, enough independent
+// multiply-adds to hide their latency (16 outputs, 8 accumulators, ran about 10 % slower at 7–8 rows
+// on Zen 2). Every output is one float32 sum in the order k = 0, 1, … K − 1, whatever the number of
+// rows or the row's place among them, so a row's result does not depend on the batch. Threads split
+// the blocks of output features.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,15 +29,15 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;       // output features per packed block
+constexpr int64_t kBlock = 24;       // output features per packed block (16 as pairs, 8 single)
 constexpr int64_t kRowTile = 4;      // rows per register tile
 constexpr int64_t kRowChunk = 32;    // rows per pass over the weights (their float32 copy stays in L2)
-constexpr int64_t kPrefetch = 64;    // k steps ahead (2 KiB) for the software prefetch
+constexpr int64_t kPrefetch = 64;    // k steps ahead (2 KiB of pairs, 1 KiB of singles) for the software prefetch
 
 inline __m256 low_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 high_half(__m256i v, __m256i mask) { return _mm256_castsi256_ps(_mm256_and_si256(v, mask)); }
 
-// One row's ≤ 16 outputs, plus the bias (float32), rounded once to the output type.
+// One row's ≤ 24 outputs, plus the bias (float32), rounded once to the output type.
 inline void store_block(float* y, const float* tile, const float* bias, int64_t columns) {
   for (int64_t j = 0; j < columns; ++j) y[j] = bias ? tile[j] + bias[j] : tile[j];
 }
@@ -43,30 +47,38 @@ inline void store_block(at::BFloat16* y, const float* tile, const float* bias, i
 }
 
 // Rows [0, MB) of x (float32, row stride K) times one packed block (+ bias) → y (row stride ldy),
-// `columns` ≤ 16.
+// `columns` ≤ 24.
 template <int MB, typename Out>
 inline void tile_rows(const float* x, const uint16_t* block, int64_t K, const float* bias, Out* y, int64_t ldy,
                       int64_t columns) {
   const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m256 lo[MB], hi[MB];
+  const uint16_t* pairs = block;
+  const uint16_t* singles = block + 16 * K;
+  __m256 first[MB], second[MB], third[MB];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
+    first[m] = _mm256_setzero_ps();
+    second[m] = _mm256_setzero_ps();
+    third[m] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(block + (k + kPrefetch) * kBlock), _MM_HINT_T0);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * kBlock));
-    const __m256 w_lo = low_half(v), w_hi = high_half(v, mask);
+    _mm_prefetch(reinterpret_cast<const char*>(pairs + (k + kPrefetch) * 16), _MM_HINT_T0);
+    if ((k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(singles + (k + kPrefetch) * 8), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + k * 16));
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(singles + k * 8)));
+    const __m256 w0 = low_half(v), w1 = high_half(v, mask);
+    const __m256 w2 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * K + k);
-      lo[m] = _mm256_fmadd_ps(b, w_lo, lo[m]);
-      hi[m] = _mm256_fmadd_ps(b, w_hi, hi[m]);
+      first[m] = _mm256_fmadd_ps(b, w0, first[m]);
+      second[m] = _mm256_fmadd_ps(b, w1, second[m]);
+      third[m] = _mm256_fmadd_ps(b, w2, third[m]);
     }
   }
   alignas(32) float out[MB][kBlock];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    _mm256_store_ps(out[m], lo[m]);
-    _mm256_store_ps(out[m] + 8, hi[m]);
+    _mm256_store_ps(out[m], first[m]);
+    _mm256_store_ps(out[m] + 8, second[m]);
+    _mm256_store_ps(out[m] + 16, third[m]);
   }
   for (int m = 0; m < MB; ++m) store_block(y + m * ldy, out[m], bias, columns);
 }
@@ -106,10 +118,10 @@ std::vector<float> to_float(const at::Tensor& t) {
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) % kBlock == 0 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kBFloat16,
-              "bf16_linear: packed must be a contiguous bfloat16 [N/16, K, 16] tensor");
-  const int64_t N = out_features, K = packed.size(1);
+              "bf16_linear: packed must be a contiguous bfloat16 [N/24, 24·K] tensor");
+  const int64_t N = out_features, K = packed.size(1) / kBlock;
   TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_linear: out_features does not match packed");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x's last dimension must be ", K);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
