@@ -59,7 +59,7 @@ from dflash2.models.layers import (
 )
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.precompiled import PrecompiledForward
-from dflash2.selector import Proposal, SelectorWeights, lattice_scores, topk_candidates, walk
+from dflash2.selector import Proposal, SelectorWeights, draft_path
 
 logger = logging.getLogger(__name__)
 
@@ -359,14 +359,11 @@ class StaticSelector(nn.Module):
         Returns:
             ``(draft_ids [R, J], candidate_ids [R, J, k], draft_probs [R, J, k])`` (a :class:`Proposal`).
         """
-        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
-        if self.has_draft_vocab:
-            candidate_ids = self.draft_vocab[candidate_ids]
-        lattice = None
+        weights = None
         if self.use_lattice:
             weights = SelectorWeights(self.predecessor_codebook, self.successor_codebook, self.hidden_projection)
-            lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights)
-        proposal = walk(candidate_ids, unary, lattice, temperatures, uniforms)
+        vocab = self.draft_vocab if self.has_draft_vocab else None
+        proposal = draft_path(hidden, logits, anchor_ids, temperatures, uniforms, self.num_candidates, vocab, weights)
         return proposal.draft_ids, proposal.candidate_ids, proposal.draft_probs
 
 

@@ -101,6 +101,33 @@ def lattice_scores(
     return unary_scores[:, :, None, :] + transition
 
 
+def draft_path(
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+    num_candidates: int,
+    draft_vocab: torch.Tensor | None,
+    weights: SelectorWeights | None,
+) -> Proposal:
+    """The drafted path of each row (spec §4): top-k candidates per slot, mapped to token ids,
+    the lattice when there are selector weights, then the walk.
+
+    Args:
+        hidden: ``[R, J, H]`` final-normed draft hidden states; logits: ``[R, J, V or Vd]`` their
+            unary logits; anchor_ids: ``[R]``; temperatures: ``[R]``; uniforms: ``[R, J]``.
+        num_candidates: k.
+        draft_vocab: ``[Vd]`` sorted token ids of a draft vocabulary (the logits index it), or None.
+        weights: the selector tensors, or None to walk the unary scores alone.
+    """
+    candidate_ids, unary = topk_candidates(logits, num_candidates)
+    if draft_vocab is not None:
+        candidate_ids = draft_vocab[candidate_ids]
+    lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
+    return walk(candidate_ids, unary, lattice, temperatures, uniforms)
+
+
 def walk(
     candidate_ids: torch.Tensor,
     unary_scores: torch.Tensor,

@@ -27,7 +27,7 @@ from dflash2.models.layers import (
     prepack_linears,
     softcap,
 )
-from dflash2.selector import Proposal, SelectorWeights, lattice_scores, topk_candidates, walk
+from dflash2.selector import Proposal, SelectorWeights, draft_path
 
 logger = logging.getLogger(__name__)
 
@@ -495,11 +495,10 @@ class DFlashDrafter(nn.Module):
         Returns:
             The :class:`~dflash2.selector.Proposal`, candidates as token ids.
         """
-        candidate_ids, unary = topk_candidates(logits, self.num_candidates)
-        candidate_ids = self.token_ids(candidate_ids)  # draft-vocabulary indices → token ids
         weights = self.selector_weights() if use_selector else None
-        lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
-        return walk(candidate_ids, unary, lattice, temperatures, uniforms)
+        return draft_path(
+            hidden, logits, anchor_ids, temperatures, uniforms, self.num_candidates, self.draft_vocab, weights
+        )
 
     def selector_weights(self) -> SelectorWeights | None:
         """Selector tensors, or None for a drafter without a selector."""
