@@ -797,7 +797,16 @@ class ModelRunner:
         forward = self._select_forward if forward is None else forward
         assert forward is not None
         with _compiled_mode():
-            inputs = [_graph_input(t) for t in (hidden, logits, anchor_ids, temperatures, uniforms)]
+            # The dtypes the graphs were built for (a graph checks its guards once, not on every call).
+            assert self.drafter is not None
+            typed = (
+                hidden.to(self.drafter.dtype),
+                logits.float(),
+                anchor_ids.long(),
+                temperatures.float(),
+                uniforms.float(),
+            )
+            inputs = [_graph_input(t) for t in typed]
             if inputs[0].shape[0] >= 2:
                 for t in inputs:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -843,7 +852,7 @@ class ModelRunner:
             write_slots = torch.where(real, torch.tensor(slots)[:, None], self.scratch_slot)
             write_positions = torch.where(real, torch.tensor(starts)[:, None] + offsets, offsets)
             inputs = [
-                _graph_input(features),
+                _graph_input(features.to(self.dtype)),  # the dtype the graphs were built for
                 write_slots.to(self.device),
                 write_positions.to(self.device),
             ]

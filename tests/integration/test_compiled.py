@@ -169,16 +169,17 @@ def test_compiled_verify_matches_eager_logits(target, compiled_spec):
 
 
 def test_compiled_context_append_matches_eager(target, compiled_spec):
-    """The compiled context append writes the eager one's drafter K/V at each row's positions, and its
-    padding (rows shorter than the widest) writes only the scratch slot."""
+    """The compiled context append writes the eager one's drafter K/V at each row's positions (also from
+    features of another dtype), and its padding (rows shorter than the widest) writes only the
+    scratch slot."""
     eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
     fast: ModelRunner = compiled_spec.runner
     assert eager.draft_cache is not None and fast.draft_cache is not None
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(2, 5, fast.drafter.fc.in_features, generator=generator)
     before = fast.draft_cache.k.clone()
-    for runner in (eager, fast):
-        runner.append_context([0, 2], [4, 9], features, [5, 2])
+    eager.append_context([0, 2], [4, 9], features, [5, 2])
+    fast.append_context([0, 2], [4, 9], features.double(), [5, 2])  # cast to the graph's dtype, not misread
     for cache in ("k", "v"):
         expected, got = getattr(eager.draft_cache, cache), getattr(fast.draft_cache, cache)
         torch.testing.assert_close(got[:, 0, :, 4:9], expected[:, 0, :, 4:9], atol=1e-5, rtol=1e-5)
