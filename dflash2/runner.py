@@ -404,7 +404,8 @@ def _configure_compiler(device: torch.device, dynamic_threads: bool) -> None:
 
 
 def _target_shape_class(inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
-    """The CPU graph a :class:`StaticTarget` call needs: batch 1 or more, one query token or more."""
+    """The CPU graph a :class:`StaticTarget` or :class:`StaticContext` call needs: batch 1 or more, one
+    token or more (``inputs[0]`` is ``[R, L, …]``)."""
     num_rows, width = inputs[0].shape[:2]
     return ("rows=1" if num_rows == 1 else "rows=2+", "width=1" if width == 1 else "width=2+")
 
@@ -416,9 +417,9 @@ def _rows_class(inputs: Sequence[torch.Tensor]) -> str:
 
 _FORWARD_NAMES = {"target": "target", "drafter": "draft", "context": "context", "selector": "select"}
 _SHAPE_CLASSES: dict[str, Callable[[Sequence[torch.Tensor]], Any]] = {
-    "target": _target_shape_class,  # inputs[0]: input_ids [R, L]
+    "target": _target_shape_class,
     "drafter": _rows_class,
-    "context": _target_shape_class,  # inputs[0]: features [R, L, F·H]
+    "context": _target_shape_class,
     "selector": _rows_class,
 }
 
@@ -693,12 +694,8 @@ class ModelRunner:
             input_ids = torch.tensor([row + [0] * (width - len(row)) for row in token_rows] + [[0] * width] * extra)
             lengths = torch.tensor([len(row) for row in token_rows] + [0] * extra)
             read_slots = torch.tensor(slots + [self.scratch_slot] * extra)
-            offsets = torch.arange(width)
-            positions = torch.tensor(starts + [0] * extra)[:, None] + offsets[None]
-            real = offsets[None] < lengths[:, None]
-            # Padding tokens write into the scratch slot at their offset, never past the cache.
-            write_slots = torch.where(real, read_slots[:, None], self.scratch_slot)
-            write_positions = torch.where(real, positions, offsets[None])
+            positions = torch.tensor(starts + [0] * extra)[:, None] + torch.arange(width)[None]
+            write_slots, write_positions = self._padded_writes(read_slots, positions, lengths)
             max_end = max(s + len(row) for s, row in zip(starts, token_rows))
             keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda))
             inputs = [t.to(self.device) for t in (input_ids, positions, write_slots, write_positions, read_slots)]
@@ -707,19 +704,37 @@ class ModelRunner:
             logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
 
+    def _padded_writes(
+        self, slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a padded forward writes K/V: ``positions [R, L]`` of ``slots [R]`` for each row's first
+        ``lengths [R]`` tokens; padding goes into the scratch slot at its offset, never past the cache.
+
+        Returns:
+            ``(write_slots, write_positions)``, each ``[R, L]``.
+        """
+        offsets = torch.arange(positions.shape[1])[None]
+        real = offsets < lengths[:, None]
+        return torch.where(real, slots[:, None], self.scratch_slot), torch.where(real, positions, offsets)
+
     def _mark_dynamic(
-        self, row_inputs: list[torch.Tensor], keys: torch.Tensor, width_inputs: Sequence[torch.Tensor] = ()
+        self,
+        row_inputs: Sequence[torch.Tensor],
+        keys: torch.Tensor | None = None,
+        width_inputs: Sequence[torch.Tensor] = (),
     ) -> None:
         """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
-        for the target, one for every width ≥ 2 (width 1, a plain decode step, has its own)."""
+        for the target and the context append, one for every width ≥ 2 (width 1, a plain decode step,
+        has its own)."""
         if self._cuda:
             return
-        torch._dynamo.maybe_mark_dynamic(keys, 0)
+        if keys is not None:
+            torch._dynamo.maybe_mark_dynamic(keys, 0)
         if row_inputs[0].shape[0] >= 2:
             for t in row_inputs:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in width_inputs:
-            if t.dim() == 2 and t.shape[1] >= 2:
+            if t.dim() >= 2 and t.shape[1] >= 2:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def draft(
@@ -807,9 +822,7 @@ class ModelRunner:
                 uniforms.float(),
             )
             inputs = [_graph_input(t) for t in typed]
-            if inputs[0].shape[0] >= 2:
-                for t in inputs:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            self._mark_dynamic(inputs)
             return forward(*inputs)
 
     def append_context(
@@ -823,15 +836,22 @@ class ModelRunner:
         assert self.drafter is not None and self.draft_cache is not None
         if self._context_forward is not None:
             self._context_call(slots, starts, features, lengths)
-            return
+        else:
+            self._eager_context(slots, starts, features, lengths)
+        for slot, start, n in zip(slots, starts, lengths):
+            self.draft_cache.rollback(slot, start + n)
+
+    def _eager_context(
+        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
+    ) -> None:
+        """The drafter context write through the eager drafter (its linears pre-packed on CPU)."""
+        assert self.drafter is not None and self.draft_cache is not None
         width = features.shape[1]
         offsets = torch.arange(width, device=self.device)[None]
         keep = offsets < torch.tensor(lengths, device=self.device)[:, None]  # [R, L]
         positions = torch.tensor(starts, device=self.device)[:, None] + offsets
         flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
         self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
-        for slot, start, n in zip(slots, starts, lengths):
-            self.draft_cache.rollback(slot, start + n)
 
     def _context_call(
         self,
@@ -841,28 +861,18 @@ class ModelRunner:
         lengths: Sequence[int],
         forward: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        """:meth:`append_context` through the compiled :class:`StaticContext`: each row's positions
-        past its length write into the scratch slot, as a verify forward's padding does."""
+        """The drafter context write through the compiled :class:`StaticContext` (the caller rolls the
+        slots forward): each row's positions past its length write into the scratch slot, as a verify
+        forward's padding does."""
         forward = self._context_forward if forward is None else forward
-        assert forward is not None and self.draft_cache is not None
-        num_rows, width = features.shape[:2]
+        assert forward is not None
         with _compiled_mode():
-            offsets = torch.arange(width)[None]
-            real = offsets < torch.tensor(lengths)[:, None]
-            write_slots = torch.where(real, torch.tensor(slots)[:, None], self.scratch_slot)
-            write_positions = torch.where(real, torch.tensor(starts)[:, None] + offsets, offsets)
-            inputs = [
-                _graph_input(features.to(self.dtype)),  # the dtype the graphs were built for
-                write_slots.to(self.device),
-                write_positions.to(self.device),
-            ]
-            for dim, size in ((0, num_rows), (1, width)):
-                if size >= 2:
-                    for t in inputs:
-                        torch._dynamo.maybe_mark_dynamic(t, dim)
+            positions = torch.tensor(starts)[:, None] + torch.arange(features.shape[1])[None]
+            writes = self._padded_writes(torch.tensor(slots), positions, torch.tensor(lengths))
+            # Cast to the dtype the graphs were built for.
+            inputs = [_graph_input(features.to(self.dtype)), *(t.to(self.device) for t in writes)]
+            self._mark_dynamic(inputs, width_inputs=inputs)
             forward(*inputs)
-        for slot, start, n in zip(slots, starts, lengths):
-            self.draft_cache.rollback(slot, start + n)
 
     def measure_costs(
         self,
@@ -958,11 +968,13 @@ def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -
 
 
 def _graph_input(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a compiled graph may take it on every call: contiguous, not a view (a view's guards
-    read its base), not an inference tensor (the engine's may be). Copies only when needed."""
-    if t.is_inference() or t._base is not None or not t.is_contiguous():
+    """``t`` as a compiled graph may take it on every call: contiguous, not an inference tensor (the
+    engine's may be) — copied only then — and not a view (a view's guards read its base; ``detach``
+    drops the base without a copy)."""
+    if t.is_inference():
         return t.clone(memory_format=torch.contiguous_format)
-    return t
+    t = t.contiguous()
+    return t.detach() if t._base is not None else t
 
 
 @contextlib.contextmanager

@@ -156,6 +156,7 @@ def walk(
     inv_t = 1.0 / temperatures.clamp(min=1e-5)
     rows = torch.arange(num_rows, device=candidate_ids.device)
     prev_index = torch.zeros(num_rows, dtype=torch.long, device=candidate_ids.device)
+    places = torch.arange(k, device=candidate_ids.device)
     chosen, probs = [], []
     for j in range(num_slots):
         scores = unary_scores[:, j] if lattice is None else lattice[rows, j, prev_index]  # [R, k]
@@ -163,7 +164,7 @@ def walk(
         cdf = q.cumsum(dim=-1)
         sampled = torch.searchsorted(cdf, uniforms[:, j : j + 1] * cdf[:, -1:], right=True).squeeze(-1)
         index = torch.where(greedy, scores.argmax(dim=-1), sampled.clamp(max=k - 1))
-        one_hot = (index[:, None] == torch.arange(k, device=index.device)).float()  # compiles, unlike F.one_hot
+        one_hot = (index[:, None] == places).float()  # F.one_hot, in a form that compiles
         probs.append(torch.where(greedy[:, None], one_hot, q))
         chosen.append(index)
         prev_index = index
