@@ -20,7 +20,8 @@ and takes the best, where
   would freeze the estimates where that stretch left them, and the engine would never draft again
   (:class:`AcceptanceTracker`);
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
-  drafter forward and selector walk at R rows when W > 1. It is measured at start-up on the actual
+  drafter forward over a W-token block and the selector walk at R rows when W > 1 (the drafter runs
+  only the block the step verifies, ``ModelRunner.draft``). It is measured at start-up on the actual
   machine and shapes (``ModelRunner.measure_costs``) and scaled, per row count, by what live steps
   measure (:class:`CostModel`).
 
@@ -148,44 +149,43 @@ class AcceptanceTracker:
 class CostModel:
     """Seconds of one decode step by rows R and verify width W (``seconds(R, W)``).
 
-    ``verify[(R, W)]`` and ``draft[R]`` (drafter forward + selector) are the start-up measurements at
-    a few row counts, interpolated in between (linearly in R): they give the shape of the cost over
-    widths. Live steps then learn, per row count, how far the machine is from that shape: one factor
-    for autoregressive steps (W = 1), one for the verify forward of drafted steps (any W > 1) and one
-    for the drafter, each an exponential average of measured ÷ start-up seconds. So one step at W = 5
-    corrects the prediction for every W ≥ 2 at that row count (longer contexts than at start-up, a
-    slower host, another thread count), instead of the policy trusting the optimistic start-up figure
-    of each width it has not tried yet — which made it draft under load, where drafting loses. A row
-    count that has not drafted yet borrows drafting's factors (:meth:`seconds`).
+    ``verify[(R, W)]`` and ``draft[(R, W)]`` (drafter forward over a W-token block + selector, W ≥ 2)
+    are the start-up measurements at a few row counts, interpolated in between (linearly in R): they
+    give the shape of the cost over widths. Live steps then learn, per row count, how far the machine
+    is from that shape: one factor for autoregressive steps (W = 1), one for the verify forward of
+    drafted steps (any W > 1) and one for the drafter (any W), each an exponential average of
+    measured ÷ start-up seconds. So one step at W = 5 corrects the prediction for every W ≥ 2 at
+    that row count (longer contexts than at start-up, a slower host, another thread count), instead
+    of the policy trusting the optimistic start-up figure of each width it has not tried yet — which
+    made it draft under load, where drafting loses. A row count that has not drafted yet borrows
+    drafting's factors (:meth:`seconds`).
     """
 
     max_rows: int
     widths: tuple[int, ...]
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
-    draft: dict[int, float] = field(default_factory=dict)
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)
     verify_scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     draft_scale: dict[int, float] = field(default_factory=dict)
 
-    def seed(self, verify: dict[tuple[int, int], float], draft: dict[int, float]) -> None:
-        """Fill every (R, W) from measurements at some row counts (linear interpolation in R, flat beyond).
+    def seed(self, verify: dict[tuple[int, int], float], draft: dict[tuple[int, int], float]) -> None:
+        """Fill every (R, W) from measurements at some row counts (linear interpolation in R; beyond the
+        last, proportional to R).
 
-        At each measured row count the drafted widths' verify times (W ≥ 2) are first made
-        non-decreasing in W (a wider forward does more work; :func:`monotone`): a width timed fast by
-        chance at start-up (seen: 20.7 ms at width 4 between 22.3 at 3 and 21.5 at 5) would otherwise
-        be preferred for the engine's whole life, since live steps rescale every drafted width by one
-        factor. Width 1 keeps its own time: it has its own live factor.
+        At each measured row count the drafted widths' verify and drafting times (W ≥ 2) are first
+        made non-decreasing in W (a wider forward does more work; :func:`monotone`): a width timed
+        fast by chance at start-up (seen: 20.7 ms at width 4 between 22.3 at 3 and 21.5 at 5) would
+        otherwise be preferred for the engine's whole life, since live steps rescale every drafted
+        width by one factor. Width 1 keeps its own time: it has its own live factor.
         """
-        verify = dict(verify)
-        for rows in {r for r, _ in verify}:
-            widths = sorted(w for r, w in verify if r == rows and w > 1)
-            for width, seconds in zip(widths, monotone([verify[(rows, w)] for w in widths])):
-                verify[(rows, width)] = seconds
+        verify, draft = _monotone_in_width(verify), _monotone_in_width(draft)
         for width in self.widths:
             known = {r: t for (r, w), t in verify.items() if w == width}
+            drafting = {r: t for (r, w), t in draft.items() if w == width}
             for rows in range(1, self.max_rows + 1):
                 self.verify[(rows, width)] = _interpolate(known, rows)
-        for rows in range(1, self.max_rows + 1):
-            self.draft[rows] = _interpolate(draft, rows)
+                if width > 1:
+                    self.draft[(rows, width)] = _interpolate(drafting, rows)
 
     def seconds(self, rows: int, width: int) -> float:
         """Predicted seconds of a step (inf when never measured).
@@ -201,7 +201,7 @@ class CostModel:
         verify = self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
         if width == 1:
             return verify
-        return verify + self.draft.get(rows, math.inf) * self._draft_factor(rows)
+        return verify + self.draft.get((rows, width), math.inf) * self._draft_factor(rows)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
         """Fold one step's measured timings into the factors of its row count (a factor learned for
@@ -219,7 +219,8 @@ class CostModel:
             self._verify_factor(rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0)
         )
         if drafted:
-            self.draft_scale[rows] = _learned(self._draft_factor(rows), draft_seconds, self.draft.get(rows, 0.0))
+            base = self.draft.get((rows, width), 0.0)
+            self.draft_scale[rows] = _learned(self._draft_factor(rows), draft_seconds, base)
             return
         plain = self.verify_scale[(rows, False)]
         if (rows, True) in self.verify_scale:
@@ -247,6 +248,16 @@ def _learned(scale: float, measured: float, base: float) -> float:
         ratio = min(max(measured / base, scale / COST_CLIP), scale * COST_CLIP)
         return scale + COST_ALPHA * (ratio - scale)
     return scale
+
+
+def _monotone_in_width(times: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """``times[(R, W)]`` with each row count's widths ≥ 2 made non-decreasing in W (:func:`monotone`)."""
+    times = dict(times)
+    for rows in {r for r, _ in times}:
+        widths = sorted(w for r, w in times if r == rows and w > 1)
+        for width, seconds in zip(widths, monotone([times[(rows, w)] for w in widths])):
+            times[(rows, width)] = seconds
+    return times
 
 
 def monotone(values: Sequence[float]) -> list[float]:

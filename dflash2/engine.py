@@ -4,7 +4,7 @@
 requests, draft one block for every running row in one drafter forward, walk the selector,
 verify every row's block in one target forward, then accept, commit and roll back.
 
-Dimension letters: R rows, B block size, J = B−1 drafted slots, k candidates, V vocab,
+Dimension letters: R rows, B block size, J ≤ B−1 drafted slots (the step's verify width − 1), k candidates, V vocab,
 F·H captured target features.
 """
 
@@ -244,10 +244,10 @@ class Engine:
         model.seed(verify, draft)
         logger.info(
             "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
-            "drafter block + selector %.1f ms",
+            "drafter block + selector by width: %s",
             time.perf_counter() - start,
             ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
-            1000 * model.draft[1],
+            ", ".join(f"{w}: {1000 * model.draft[(1, w)]:.1f}" for w in model.widths if w > 1),
         )
         return model
 
@@ -257,7 +257,7 @@ class Engine:
         assert self.drafter is not None
         rows = anchors.shape[0]
         temperatures = torch.zeros(rows, device=self.device)
-        uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
+        uniforms = torch.zeros(rows, hidden.shape[1], device=self.device)
         self.runner.propose(hidden, logits, anchors, temperatures, uniforms)
 
     @property
@@ -573,7 +573,7 @@ class Engine:
             # charging it here would make each draft after a pause look dearer, so the policy pauses longer.
             self._write_context(rows)
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
-            hidden, draft_logits = self._draft(rows, anchors, stats)
+            hidden, draft_logits = self._draft(rows, anchors, width, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)
         else:
             proposal = self._no_proposal(len(rows))
@@ -612,12 +612,15 @@ class Engine:
         limit = self.block_size - 1
         return [max(0, min(limit, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
 
-    def _draft(self, rows: list[Request], anchors: torch.Tensor, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE drafter forward for all rows from ``anchors [R]``: hidden ``[R, J, H]``, unary logits ``[R, J, V]``."""
+    def _draft(
+        self, rows: list[Request], anchors: torch.Tensor, width: int, stats: StepStats
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE drafter forward for all rows from ``anchors [R]`` over the step's ``width``-token block:
+        hidden ``[R, J, H]``, unary logits ``[R, J, V]`` (J = width − 1)."""
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts)
+        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts, width)
         stats.draft_time += time.perf_counter() - start
         return hidden, logits
 
@@ -628,8 +631,9 @@ class Engine:
         start = time.perf_counter()
         assert self.drafter is not None
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
+        # B − 1 per row whatever the width: a row's random stream advances the same on every step.
         uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
-        proposal = self.runner.propose(hidden, logits, anchors, temperatures, uniforms)
+        proposal = self.runner.propose(hidden, logits, anchors, temperatures, uniforms[:, : hidden.shape[1]])
         stats.select_time += time.perf_counter() - start
         return proposal
 

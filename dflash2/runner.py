@@ -27,7 +27,7 @@ its own slot — committed tokens and the tokens of this forward. Rollback stays
 per slot (``KVCache.lengths``).
 
 Dimension letters: R rows, L query tokens per row, T key positions, H hidden, V vocab,
-F·H captured features, J = B − 1 drafted slots.
+F·H captured features, W the step's verify width (≤ the block size B), J = W − 1 drafted slots.
 """
 
 from __future__ import annotations
@@ -218,14 +218,14 @@ class StaticDrafter(nn.Module):
     Shares the drafter's layers, or copies them when ``own_layers`` (the eager drafter's are then
     pre-packed in place on CPU bfloat16); the token embedding and the (draft-vocabulary) LM head
     are registered as parameters (graph inputs, like every weight); the context cache tensors are
-    buffers, one per layer.
+    buffers, one per layer. The block's width W (the anchor and W − 1 mask tokens) is a dimension of
+    its inputs, so on CPU one graph drafts every width from 2 to the block size.
     """
 
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache, block_size: int, own_layers: bool = False) -> None:
+    def __init__(self, drafter: DFlashDrafter, cache: KVCache, own_layers: bool = False) -> None:
         super().__init__()
         assert drafter._target is not None, "bind_target() first"
         self.config = drafter.config
-        self.block_size = block_size
         self.layers = copy.deepcopy(drafter.layers) if own_layers else drafter.layers
         self.norm, self.rotary = drafter.norm, drafter.rotary
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
@@ -234,30 +234,27 @@ class StaticDrafter(nn.Module):
         self.head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")
         self.head.weight = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
         self.dtype = drafter.dtype
-        self.block_offsets: torch.Tensor
-        self.register_buffer("block_offsets", torch.arange(block_size, device=cache.k.device), persistent=False)
         for i in range(self.config.num_hidden_layers):
             self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
             self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
 
     def forward(
-        self, anchor_ids: torch.Tensor, starts: torch.Tensor, read_slots: torch.Tensor, key_positions: torch.Tensor
+        self, anchor_ids: torch.Tensor, positions: torch.Tensor, read_slots: torch.Tensor, key_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft blocks ``[anchor, MASK × (B−1)]`` at ``starts [R]`` against context keys
-        ``key_positions [T]`` of ``read_slots [R]``.
+        """Draft blocks ``[anchor, MASK × (W−1)]`` at ``positions [R, W]`` (the anchor's position
+        first, then consecutive) against context keys ``key_positions [T]`` of ``read_slots [R]``.
 
         Returns:
-            ``(hidden [R, J, H], logits [R, J, V or Vd] float32)`` of the drafted slots.
+            ``(hidden [R, W−1, H], logits [R, W−1, V or Vd] float32)`` of the drafted slots.
         """
         c = self.config
-        num_rows = anchor_ids.shape[0]
-        block_ids = torch.full_like(self.block_offsets, c.mask_token_id)[None].repeat(num_rows, 1)
+        num_rows, width = positions.shape
+        block_ids = torch.full_like(positions, c.mask_token_id)
         block_ids[:, 0] = anchor_ids
         h = (F.embedding(block_ids, self.embed) * c.input_embedding_scale).to(self.dtype)
-        positions = starts[:, None] + self.block_offsets[None]
         cos, sin = self.rotary(positions, h.dtype)
-        context = key_positions[None, None, :] < starts[:, None, None]  # [R, 1, T]
-        block = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=h.device)
+        context = key_positions[None, None, :] < positions[:, :1, None]  # [R, 1, T]
+        block = torch.ones(width, width, dtype=torch.bool, device=h.device)
         length = key_positions.shape[0]
         for i, layer in enumerate(self.layers):
             ctx = context
@@ -265,15 +262,15 @@ class StaticDrafter(nn.Module):
             if window is not None:
                 ctx = ctx & (positions[:, :, None] - key_positions[None, None, :] < window)
             blk = block.tril() if c.layer_is_causal(i) else block
-            mask = torch.cat([ctx.expand(-1, self.block_size, -1), blk[None].expand(num_rows, -1, -1)], dim=-1)
+            mask = torch.cat([ctx.expand(-1, width, -1), blk[None].expand(num_rows, -1, -1)], dim=-1)
             ctx_k = getattr(self, f"k_cache_{i}")[read_slots, :, :length]
             ctx_v = getattr(self, f"v_cache_{i}")[read_slots, :, :length]
             h = layer(h, cos, sin, ctx_k, ctx_v, mask[:, None])
         hidden = self.norm(h)[:, 1:]
         # A 2-D product: with a dynamic row count, a 3-D input became a bmm over a per-row copy of
         # the whole head (51.6 against 5.6 ms eager for a 4-row block on 2 cores).
-        flat = hidden.reshape(num_rows * (self.block_size - 1), hidden.shape[-1])
-        logits = self.head(flat).float().view(num_rows, self.block_size - 1, -1)
+        flat = hidden.reshape(num_rows * (width - 1), hidden.shape[-1])
+        logits = self.head(flat).float().view(num_rows, width - 1, -1)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         return hidden, softcap(logits, c.final_logit_softcapping)
@@ -537,7 +534,7 @@ class ModelRunner:
             logger.info("the %s target runs eagerly (no static forward)", type(self.target).__name__)
         if self.draft_cache is not None and self.drafter is not None and self.drafter.supports_compile:
             own_layers = can_prepack(self.device, self.dtype)  # the eager drafter is packed in place
-            drafter = StaticDrafter(self.drafter, self.draft_cache, self.block_size, own_layers)
+            drafter = StaticDrafter(self.drafter, self.draft_cache, own_layers)
             modules.append(("drafter", drafter.eval()))
             if not self._cuda:
                 # Small and shaped by the step (context widths up to a prompt, any row count): CUDA
@@ -622,7 +619,7 @@ class ModelRunner:
                         self._context_call(slots, [0] * num_rows, features, [width] * num_rows, forward)
                     elif name == "drafter":
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-                        self._draft_call(slots, anchors, torch.ones_like(anchors), forward)
+                        self._draft_call(slots, anchors, torch.ones_like(anchors), self.block_size, forward)
                     else:  # the selector, on a drafted block
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
                         hidden, logits = self.draft(slots, anchors, torch.ones_like(anchors))
@@ -724,8 +721,8 @@ class ModelRunner:
         width_inputs: Sequence[torch.Tensor] = (),
     ) -> None:
         """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
-        for the target and the context append, one for every width ≥ 2 (width 1, a plain decode step,
-        has its own)."""
+        for the target, the context append and the drafter's block, one for every width ≥ 2 (width 1,
+        a plain decode step, has its own)."""
         if self._cuda:
             return
         if keys is not None:
@@ -738,28 +735,45 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def draft(
-        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor
+        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor, width: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE drafter forward over every row's block ``[anchor, MASK × (B−1)]``.
+        """ONE drafter forward over every row's block ``[anchor, MASK × (W−1)]``.
+
+        The drafter runs only the block the step verifies: W tokens, not the block size B it was
+        trained at, so a narrow verify step (adaptive speculation) pays for a narrow draft. Its
+        block attention is bidirectional, so the drafts of a W-token block are not the first W − 1
+        of a B-token one; measured on SmolLM2's drafter, their acceptance per position is the same
+        within noise (``docs/engine.md``). Verification is lossless whatever is drafted. With CUDA
+        graphs the drafter runs the full block (its graphs have fixed shapes) and the first W − 1
+        slots are returned.
 
         Args:
             slots: the rows' cache slots (R); anchor_ids: ``[R]``; starts: ``[R]`` int64, each
                 anchor's position (= its context length).
+            width: W, 2 … B (default B).
 
         Returns:
-            ``(hidden [R, J, H], unary logits [R, J, V or Vd] float32)``.
+            ``(hidden [R, W−1, H], unary logits [R, W−1, V or Vd] float32)``.
+
+        Raises:
+            ValueError: when ``width`` is outside 2 … B.
         """
         assert self.drafter is not None and self.draft_cache is not None
+        width = self.block_size if width is None else width
+        if not 2 <= width <= self.block_size:
+            raise ValueError(f"draft width {width} outside 2 … {self.block_size}")
         if self._draft_forward is None:
-            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, self.block_size)[:, 1:]
+            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)[:, 1:]
             return hidden, self.drafter.logits(hidden)
-        return self._draft_call(slots, anchor_ids, starts)
+        hidden, logits = self._draft_call(slots, anchor_ids, starts, self.block_size if self._cuda else width)
+        return hidden[:, : width - 1], logits[:, : width - 1]
 
     def _draft_call(
         self,
         slots: list[int],
         anchor_ids: torch.Tensor,
         starts: torch.Tensor,
+        width: int,
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self._draft_forward if forward is None else forward
@@ -774,9 +788,10 @@ class ModelRunner:
             anchors[:num_rows] = anchor_ids.clone()
             start_tensor = torch.ones(padded_rows, dtype=torch.long, device=device)
             start_tensor[:num_rows] = starts.clone()
+            positions = start_tensor[:, None] + torch.arange(width, device=device)[None]
             keys = torch.arange(key_length(max(max_start, 1), self.max_model_len, self._cuda), device=device)
-            self._mark_dynamic([anchors, start_tensor, read_slots], keys)
-            hidden, logits = forward(anchors, start_tensor, read_slots, keys)
+            self._mark_dynamic([anchors, positions, read_slots], keys, width_inputs=[positions])
+            hidden, logits = forward(anchors, positions, read_slots, keys)
         return hidden[:num_rows], logits[:num_rows]
 
     def propose(
@@ -790,6 +805,10 @@ class ModelRunner:
         """The drafted path of each row from the drafter's block (:meth:`draft`): top-k candidates,
         the DFlash 2 lattice (unless ``use_selector`` is off) and the walk — compiled on CPU,
         else :meth:`DFlashDrafter.propose`.
+
+        The compiled walk always covers B − 1 slots (its loop is unrolled): narrower blocks are
+        padded with zero logits after their last slot, which the walk reaches only after every real
+        one, and the result is cut back to J.
 
         Args:
             hidden: ``[R, J, H]``; logits: ``[R, J, V or Vd]`` float32; anchor_ids: ``[R]``;
@@ -814,16 +833,18 @@ class ModelRunner:
         with _compiled_mode():
             # The dtypes the graphs were built for (a graph checks its guards once, not on every call).
             assert self.drafter is not None
+            num_slots, pad = hidden.shape[1], self.block_size - 1 - hidden.shape[1]
             typed = (
-                hidden.to(self.drafter.dtype),
-                logits.float(),
+                F.pad(hidden.to(self.drafter.dtype), (0, 0, 0, pad)),
+                F.pad(logits.float(), (0, 0, 0, pad)),
                 anchor_ids.long(),
                 temperatures.float(),
-                uniforms.float(),
+                F.pad(uniforms.float(), (0, pad)),
             )
             inputs = [_graph_input(t) for t in typed]
             self._mark_dynamic(inputs)
-            return forward(*inputs)
+            draft_ids, candidate_ids, draft_probs = forward(*inputs)
+        return draft_ids[:, :num_slots], candidate_ids[:, :num_slots], draft_probs[:, :num_slots]
 
     def append_context(
         self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
@@ -881,15 +902,16 @@ class ModelRunner:
         select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
         repeats: int = 3,
         context: int = 0,
-    ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
-        drafter, the drafter's block at each row count (median of ``repeats`` after one warm-up call),
+        drafter, its block at each (rows, width ≥ 2) (median of ``repeats`` after one warm-up call),
         plus ``select(hidden [R, J, H], logits [R, J, V], anchors [R])`` on its outputs when given (the
         step's choice of the drafted path). Every row sits after ``context`` tokens (clamped to the
         slot), so attention reads as many keys as a request that far in would.
 
         Returns:
-            ``({(rows, width): seconds}, {rows: seconds})`` (the second empty without a drafter).
+            ``({(rows, width): verify seconds}, {(rows, width): draft seconds})`` (the second empty
+            without a drafter).
         """
 
         def timed(call: Callable[[], object]) -> float:
@@ -902,20 +924,22 @@ class ModelRunner:
             return sorted(samples)[len(samples) // 2]
 
         verify: dict[tuple[int, int], float] = {}
-        draft: dict[int, float] = {}
+        draft: dict[tuple[int, int], float] = {}
         context = max(0, min(context, self.max_model_len - max(widths, default=1)))
         with torch.inference_mode():
             for rows in row_counts:
                 slots, starts = [self.scratch_slot] * rows, [context] * rows
                 for width in widths:
                     verify[(rows, width)] = timed(functools.partial(self.verify, slots, [[0] * width] * rows, starts))
-                if self.draft_cache is not None:
-                    anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
-                    lengths = torch.full_like(anchors, max(context, 1))
-                    draft[rows] = timed(functools.partial(self.draft, slots, anchors, lengths))
+                if self.draft_cache is None:
+                    continue
+                anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
+                lengths = torch.full_like(anchors, max(context, 1))
+                for width in (w for w in widths if w > 1):
+                    draft[(rows, width)] = timed(functools.partial(self.draft, slots, anchors, lengths, width))
                     if select is not None:
-                        hidden, logits = self.draft(slots, anchors, lengths)
-                        draft[rows] += timed(functools.partial(select, hidden, logits, anchors))
+                        hidden, logits = self.draft(slots, anchors, lengths, width)
+                        draft[(rows, width)] += timed(functools.partial(select, hidden, logits, anchors))
         return verify, draft
 
     def rollback(self, slot: int, length: int) -> None:

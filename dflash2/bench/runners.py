@@ -91,8 +91,10 @@ class CudaTimedEngine(Engine):
     anyway). On CPU the plain ``Engine`` is used.
     """
 
-    def _draft(self, rows: list[Request], anchors: torch.Tensor, stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super()._draft(rows, anchors, stats)
+    def _draft(
+        self, rows: list[Request], anchors: torch.Tensor, width: int, stats: StepStats
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super()._draft(rows, anchors, width, stats)
         start = time.perf_counter()
         synchronize(self.device)
         stats.draft_time += time.perf_counter() - start

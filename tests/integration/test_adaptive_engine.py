@@ -18,8 +18,8 @@ class FixedCosts(CostModel):
     def __init__(self, max_rows: int, widths: tuple[int, ...]) -> None:
         super().__init__(max_rows, widths)
         for rows in range(1, max_rows + 1):
-            self.draft[rows] = 0.001
             for width in widths:
+                self.draft[(rows, width)] = 0.001
                 self.verify[(rows, width)] = 0.010 + (0.0 if rows == 1 else 0.010 * rows * width)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
@@ -41,7 +41,8 @@ def test_start_up_measures_every_width_and_the_drafter():
     model = adaptive.cost_model
     assert model.widths == tuple(range(1, 9))
     assert all(model.verify[(rows, w)] > 0 for rows in range(1, 5) for w in model.widths)
-    assert all(model.draft[rows] > 0 for rows in range(1, 5))
+    assert all(model.draft[(rows, w)] > 0 for rows in range(1, 5) for w in model.widths if w > 1)
+    assert (1, 1) not in model.draft  # width 1 drafts nothing
 
 
 def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
@@ -57,7 +58,8 @@ def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
 
     monkeypatch.setattr(DFlashDrafter, "propose", slow_propose)
     adaptive, _, _ = engines()
-    assert all(adaptive.cost_model.draft[rows] >= 0.020 for rows in range(1, 5))
+    model = adaptive.cost_model
+    assert all(model.draft[(rows, w)] >= 0.020 for rows in range(1, 5) for w in model.widths if w > 1)
 
 
 def test_width_follows_the_cost_and_greedy_output_equals_autoregressive():

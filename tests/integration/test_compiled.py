@@ -5,6 +5,7 @@ Compilation takes seconds per graph, so each engine here is built once per modul
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 
@@ -56,6 +57,18 @@ def test_compiled_speculative_greedy_equals_eager_autoregressive(compiled_spec, 
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference  # batch 4 (the rows ≥ 2 graph)
     assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]  # batch 1 (its own graph)
+
+
+def test_compiled_greedy_at_every_verify_width_equals_autoregressive(compiled_spec, reference, monkeypatch):
+    """Steps at every width 1 … B in turn (as adaptive speculation chooses them): the drafter's block
+    and the selector follow the width, and the text stays the target's own."""
+    widths = itertools.cycle([2, 5, 1, 8, 3, 4, 7, 6])
+    monkeypatch.setattr(compiled_spec, "_choose_width", lambda rows, limits, stats: next(widths))
+    steps = []
+    llm = LLM.from_engine(compiled_spec)
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
+    assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]
+    assert {s.verify_width for s in steps if s.num_decode_rows} == set(range(1, 9))
 
 
 def built_graphs(engine) -> tuple[int, tuple, tuple, tuple, tuple]:
@@ -191,35 +204,68 @@ def test_compiled_context_append_matches_eager(target, compiled_spec):
     assert fast.draft_cache.lengths[0] == 9 and fast.draft_cache.lengths[2] == 11
 
 
+def test_compiled_draft_matches_eager_at_every_width(target, compiled_spec):
+    """The drafter runs only the verified block: one compiled graph per row class drafts every width
+    2 … B with the eager drafter's hidden states and logits (batch 1 and batch 3), and a narrow block
+    is its own forward, not a cut of the full one (the block attention is bidirectional)."""
+    eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
+    fast: ModelRunner = compiled_spec.runner
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(3, 6, fast.drafter.fc.in_features, generator=generator)
+    for runner in (eager, fast):
+        runner.append_context([0, 1, 2], [0, 0, 0], features, [6, 4, 5])
+    with torch.inference_mode():  # as the engine drafts
+        for slots, starts in (([1], [4]), ([0, 1, 2], [6, 4, 5])):
+            anchors = torch.randint(0, 50, (len(slots),), generator=generator)
+            starts_tensor = torch.tensor(starts)
+            full = eager.draft(slots, anchors, starts_tensor)[1]
+            for width in range(2, 9):
+                expected_hidden, expected_logits = eager.draft(slots, anchors, starts_tensor, width)
+                hidden, logits = fast.draft(slots, anchors, starts_tensor, width)
+                assert hidden.shape[1] == logits.shape[1] == width - 1
+                torch.testing.assert_close(hidden, expected_hidden, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+                if width < 8:
+                    assert not torch.allclose(logits, full[:, : width - 1], atol=1e-3)
+    with pytest.raises(ValueError, match="draft width"):
+        fast.draft([0], torch.tensor([1]), torch.tensor([6]), 9)
+    assert built_graphs(compiled_spec)[2] == ("rows=1", "rows=2+")  # no graph per width
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_selector_matches_eager(compiled_spec, temperature):
     """The compiled top-k, lattice and walk choose the eager path's drafts, with its proposal
-    probabilities, for batch 1 and batch 3 (their two graphs)."""
+    probabilities, for batch 1 and batch 3 (their two graphs), on full blocks and on narrower ones
+    (padded to the graph's B − 1 slots, then cut back)."""
     runner: ModelRunner = compiled_spec.runner
     drafter = runner.drafter
     assert drafter is not None and drafter.selector_weights() is not None
     generator = torch.Generator().manual_seed(1)
-    for rows in (1, 3):
+    for rows, width in ((1, 8), (3, 8), (1, 2), (3, 5)):
         slots = [runner.scratch_slot] * rows
         anchors = torch.randint(0, 50, (rows,), generator=generator)
-        hidden, logits = runner.draft(slots, anchors, torch.full((rows,), 5))
+        hidden, logits = runner.draft(slots, anchors, torch.full((rows,), 5), width)
         logits = logits + 4 * torch.randn(logits.shape, generator=generator)  # spread the scores
         temperatures = torch.full((rows,), temperature)
-        uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
+        uniforms = torch.rand(rows, width - 1, generator=generator)
         expected = drafter.propose(hidden, logits, anchors, temperatures, uniforms, use_selector=True)
         got = runner.propose(hidden, logits, anchors, temperatures, uniforms)
+        assert got.draft_ids.shape == (rows, width - 1)
         assert torch.equal(got.draft_ids, expected.draft_ids)
         assert torch.equal(got.candidate_ids, expected.candidate_ids)
         torch.testing.assert_close(got.draft_probs, expected.draft_probs, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_speculative_sampling_matches_target_distribution():
-    """The chi-square test of ``test_engine_sampling`` on the compiled path (temperature 1)."""
+def test_compiled_speculative_sampling_matches_target_distribution(monkeypatch):
+    """The chi-square test of ``test_engine_sampling`` on the compiled path (temperature 1), with steps
+    at widths 3, 4 and 2 in turn: narrower blocks draft from their own drafter forward."""
     target = tiny_target(vocab_size=VOCAB, seed=7)
     drafter = tiny_drafter(target, 2, block_size=4)
     drafter.config.__dict__["selector_top_k"] = 2
     engine = compiled(tiny_engine(target, drafter, 4, max_num_seqs=64, enforce_eager=False))
     assert engine.runner.compiled
+    widths = itertools.cycle([3, 4, 2])
+    monkeypatch.setattr(engine, "_choose_width", lambda rows, limits, stats: next(widths))
     base = SAMPLING_CASES["temperature"]
     params = [SamplingParams(**{**base.__dict__, "seed": i}) for i in range(3000)]
     outputs = LLM.from_engine(engine).generate([PROMPT] * len(params), params)

@@ -17,6 +17,11 @@ from dflash2.adaptive import (
 )
 
 
+def at_widths(draft: dict[int, float], widths: tuple[int, ...]) -> dict[tuple[int, int], float]:
+    """Start-up drafting times by row count, the same at every drafted width."""
+    return {(rows, w): seconds for rows, seconds in draft.items() for w in widths if w > 1}
+
+
 def test_expected_tokens_is_one_plus_the_survival_sums():
     assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
     assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
@@ -90,7 +95,9 @@ def test_a_hard_stretch_does_not_lock_the_policy_out_of_drafting():
 
 def test_cost_model_interpolates_between_measured_row_counts_and_learns():
     model = CostModel(max_rows=8, widths=(1, 4))
-    model.seed({(1, 1): 0.010, (4, 1): 0.040, (1, 4): 0.020, (4, 4): 0.080}, {1: 0.005, 4: 0.008})
+    model.seed(
+        {(1, 1): 0.010, (4, 1): 0.040, (1, 4): 0.020, (4, 4): 0.080}, at_widths({1: 0.005, 4: 0.008}, model.widths)
+    )
     assert model.verify[(2, 1)] == pytest.approx(0.020)
     assert model.verify[(8, 4)] == pytest.approx(0.160)  # proportional beyond the last measurement
     assert model.seconds(2, 4) == pytest.approx(0.040 + 0.006)
@@ -100,7 +107,10 @@ def test_cost_model_interpolates_between_measured_row_counts_and_learns():
 
 def test_a_live_step_rescales_every_drafted_width_at_its_row_count():
     model = CostModel(max_rows=4, widths=(1, 2, 4))
-    model.seed({(1, w): 0.010 * w for w in (1, 2, 4)} | {(2, w): 0.020 * w for w in (1, 2, 4)}, {1: 0.005, 2: 0.008})
+    model.seed(
+        {(1, w): 0.010 * w for w in (1, 2, 4)} | {(2, w): 0.020 * w for w in (1, 2, 4)},
+        at_widths({1: 0.005, 2: 0.008}, model.widths),
+    )
     model.observe(2, 4, verify_seconds=0.160, draft_seconds=0.016)  # twice the start-up figures
     scale = 1 + 0.1 * (2 - 1)  # one step moves the factor a tenth of the way
     assert model.seconds(2, 2) == pytest.approx(0.040 * scale + 0.008 * scale)  # a width never run: rescaled too
@@ -118,9 +128,32 @@ def test_a_live_step_rescales_every_drafted_width_at_its_row_count():
     assert 0.088 * scale < model.seconds(2, 4) < 0.088 * (scale + drift)
 
 
+def test_drafting_cost_depends_on_the_width_and_one_factor_rescales_every_width():
+    """The drafter runs only the verified block, so a narrow step drafts for less; the start-up times
+    are made non-decreasing in the width (a 3-token block timed slower than a 4-token one by chance),
+    and a live drafted step at one width rescales the drafting cost of every width."""
+    model = CostModel(max_rows=2, widths=(1, 2, 3, 4))
+    verify = {(r, w): 0.010 * r for r in (1, 2) for w in (1, 2, 3, 4)}
+    model.seed(verify, {(1, 2): 0.002, (1, 3): 0.004, (1, 4): 0.003, (2, 2): 0.003, (2, 3): 0.005, (2, 4): 0.007})
+    assert [model.draft[(1, w)] for w in (2, 3, 4)] == pytest.approx([0.002, 0.0035, 0.0035])
+    assert model.seconds(2, 2) == pytest.approx(0.020 + 0.003)
+    assert model.seconds(2, 4) == pytest.approx(0.020 + 0.007)
+    assert model.seconds(1, 1) == pytest.approx(0.010)  # width 1 drafts nothing
+    model.observe(2, 4, verify_seconds=0.020, draft_seconds=2 * 0.007)  # the drafter at twice its start-up time
+    assert model.seconds(2, 2) == pytest.approx(0.020 + 0.003 * 1.1)  # a width not run is rescaled too
+    # Many narrow steps would draft expensive wide blocks if the table had one cost for every width.
+    acceptance = [[0.3, 0.1, 0.1]]
+    wide = CostModel(max_rows=1, widths=(1, 2, 3, 4))
+    wide.seed({(1, w): 0.010 for w in (1, 2, 3, 4)}, at_widths({1: 0.004}, wide.widths))
+    narrow = CostModel(max_rows=1, widths=(1, 2, 3, 4))
+    narrow.seed({(1, w): 0.010 for w in (1, 2, 3, 4)}, {(1, 2): 0.002, (1, 3): 0.003, (1, 4): 0.004})
+    assert choose_width(acceptance, [3], wide.widths, wide.seconds).width == 1  # 1.3 tokens / 14 ms loses
+    assert choose_width(acceptance, [3], narrow.widths, narrow.seconds).width == 2  # 1.3 / 12 ms wins
+
+
 def test_one_slow_step_moves_a_factor_by_at_most_the_clip():
     model = CostModel(max_rows=1, widths=(1, 8))
-    model.seed({(1, 1): 0.016, (1, 8): 0.017}, {1: 0.004})
+    model.seed({(1, 1): 0.016, (1, 8): 0.017}, at_widths({1: 0.004}, model.widths))
     model.observe(1, 8, verify_seconds=5 * 0.017, draft_seconds=5 * 0.004)  # a host hiccup: 5× slower
     assert model.seconds(1, 8) == pytest.approx(1.1 * 0.021)  # counted as 2×: a tenth of the way to 2
     model.observe(1, 1, verify_seconds=0.016 / 5, draft_seconds=0.0)  # and 5× faster counts as ½
@@ -134,7 +167,7 @@ def simulate_hiccup(monkeypatch: pytest.MonkeyPatch, relax: float, clip: float) 
     monkeypatch.setattr(adaptive, "COST_RELAX", relax)
     monkeypatch.setattr(adaptive, "COST_CLIP", clip)
     model = CostModel(max_rows=1, widths=(1, 8))
-    model.seed({(1, 1): 0.016, (1, 8): 0.017}, {1: 0.004})
+    model.seed({(1, 1): 0.016, (1, 8): 0.017}, at_widths({1: 0.004}, model.widths))
     acceptance = [[0.45] * 7]
     chosen: list[int] = []
     for _ in range(1500):
@@ -158,7 +191,7 @@ def test_slow_drafted_steps_do_not_stop_drafting_for_good(monkeypatch: pytest.Mo
 
 def test_a_row_count_that_never_drafted_borrows_drafting_costs_but_never_lends_them():
     model = CostModel(max_rows=4, widths=(1, 4))
-    model.seed({(r, w): 0.010 * r * w for r in (1, 4) for w in (1, 4)}, {1: 0.002, 4: 0.005})
+    model.seed({(r, w): 0.010 * r * w for r in (1, 4) for w in (1, 4)}, at_widths({1: 0.002, 4: 0.005}, model.widths))
     for _ in range(100):  # autoregressive steps at 3 rows run 1.5× their start-up time
         model.observe(3, 1, verify_seconds=0.045, draft_seconds=0.0)
     assert model.seconds(3, 4) == pytest.approx(1.5 * 0.120 + 0.004, rel=1e-3)  # the verify factor is borrowed
@@ -177,7 +210,7 @@ def test_optimistic_start_up_costs_under_load_are_corrected_and_drafting_stops()
     was tried, drafted 19 of these 40 steps, trying the widths one after another)."""
     widths = tuple(range(1, 9))
     model = CostModel(max_rows=4, widths=widths)
-    model.seed({(4, w): 0.020 + 0.0007 * (w - 1) for w in widths}, {4: 0.003})
+    model.seed({(4, w): 0.020 + 0.0007 * (w - 1) for w in widths}, at_widths({4: 0.003}, model.widths))
     acceptance = [[0.5] * 7] * 4
     chosen = []
     for _ in range(40):
@@ -251,7 +284,7 @@ def test_a_width_timed_fast_by_chance_is_not_preferred_for_good():
     raw = dict(zip(range(1, 9), [0.0184, 0.0209, 0.0223, 0.0207, 0.0215, 0.0230, 0.0243, 0.0240]))
     acceptance = [[0.4] * 7]
     model = CostModel(max_rows=1, widths=tuple(range(1, 9)))
-    model.seed({(1, w): t for w, t in raw.items()}, {1: 0.004})
+    model.seed({(1, w): t for w, t in raw.items()}, at_widths({1: 0.004}, model.widths))
     assert [model.verify[(1, w)] for w in range(1, 9)] == sorted(model.verify[(1, w)] for w in range(1, 9))
     assert model.verify[(1, 4)] == pytest.approx(0.0215)
     unsmoothed = choose_width(acceptance, [7], range(1, 9), lambda r, w: raw[w] + (0.004 if w > 1 else 0.0))
@@ -263,6 +296,6 @@ def test_width_one_keeps_its_own_start_up_time():
     """Only the drafted widths are pooled: width 1 has its own live factor, and pooling a slow width-1
     timing into width 2 would lower the autoregressive base and raise every drafted width's."""
     model = CostModel(max_rows=1, widths=(1, 2, 3))
-    model.seed({(1, 1): 0.030, (1, 2): 0.020, (1, 3): 0.019}, {1: 0.004})
+    model.seed({(1, 1): 0.030, (1, 2): 0.020, (1, 3): 0.019}, at_widths({1: 0.004}, model.widths))
     assert model.verify[(1, 1)] == pytest.approx(0.030)
     assert model.verify[(1, 2)] == pytest.approx(0.0195) and model.verify[(1, 3)] == pytest.approx(0.0195)
