@@ -38,7 +38,7 @@ from dflash2.request import (
     TokenLogprob,
     mean_acceptance_length,
 )
-from dflash2.runner import ModelRunner
+from dflash2.runner import ModelRunner, PendingWrites
 from dflash2.sampling import (
     LogitsContext,
     SamplingParams,
@@ -569,9 +569,11 @@ class Engine:
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
         if self.is_speculative and width > 1:
-            # Not part of the drafted step's cost: this backlog is due whenever the rows draft next, and
-            # charging it here would make each draft after a pause look dearer, so the policy pauses longer.
-            self._write_context(rows)
+            # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
+            # cost: it is due whenever the rows draft next, and charging it here would make each draft
+            # after a pause look dearer, so the policy would pause longer. One step's worth is written
+            # by the drafting forward itself (_draft).
+            self._write_context([r for r in rows if r.pending_context.num_tokens > self.block_size])
             anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
             hidden, draft_logits = self._draft(rows, anchors, width, stats)
             proposal = self._select(rows, anchors, hidden, draft_logits, stats)
@@ -620,7 +622,18 @@ class Engine:
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts, width)
+        context = None
+        if any(r.pending_context for r in rows):  # what the rows committed since they last drafted
+            some = next(r.pending_context.features() for r in rows if r.pending_context)
+            segments = [r.pending_context.features() if r.pending_context else some[:0] for r in rows]
+            context = PendingWrites(
+                torch.nn.utils.rnn.pad_sequence(segments, batch_first=True),
+                [r.pending_context.num_tokens for r in rows],
+                [r.pending_context.start for r in rows],
+            )
+        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts, width, context)
+        for request in rows:
+            request.pending_context.clear()
         stats.draft_time += time.perf_counter() - start
         return hidden, logits
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -70,6 +71,20 @@ KEY_ALIGN = 64
 # and key lengths to a power of two of at least CUDA_MIN_KEYS.
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_MIN_KEYS = 256
+
+
+@dataclasses.dataclass
+class PendingWrites:
+    """Drafter context to write for a batch of rows: the first ``lengths[r]`` of ``features [R, L, F·H]``
+    at positions ``starts[r] ..`` (all 0 when not given)."""
+
+    features: torch.Tensor
+    lengths: list[int]
+    starts: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = [0] * len(self.lengths)
 
 
 def _bucket_rows(num_rows: int, max_rows: int) -> int:
@@ -282,19 +297,22 @@ class StaticContext(nn.Module):
     positions, written into the draft cache (buffers, one per layer, views of the shared cache).
 
     Shares the drafter's fusion layers and the :class:`StaticDrafter`'s decoder layers (the ones
-    its graph reads, pre-packed on CPU bfloat16), so both graphs use the same weights.
+    its graph reads, pre-packed on CPU bfloat16) and its cache buffers — the same tensor objects, so
+    that a graph holding both modules sees each layer's cache once: two views of one cache would be
+    overlapping inputs, and the compiler would copy every layer's cache to write into it.
     """
 
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache, layers: nn.ModuleList) -> None:
+    def __init__(self, drafter: DFlashDrafter, static: StaticDrafter) -> None:
         super().__init__()
         self.fc, self.hidden_norm, self.rotary = drafter.fc, drafter.hidden_norm, drafter.rotary
-        self.layers = layers
+        self.layers = static.layers
         self.dtype = drafter.dtype
         self.kv_heads: torch.Tensor
-        self.register_buffer("kv_heads", torch.arange(cache.k.shape[2], device=cache.k.device), persistent=False)
-        for i in range(len(layers)):
-            self.register_buffer(f"k_cache_{i}", cache.k[i], persistent=False)
-            self.register_buffer(f"v_cache_{i}", cache.v[i], persistent=False)
+        k_cache = static.get_buffer("k_cache_0")
+        self.register_buffer("kv_heads", torch.arange(k_cache.shape[1], device=k_cache.device), persistent=False)
+        for i in range(len(self.layers)):
+            for name in (f"k_cache_{i}", f"v_cache_{i}"):
+                self.register_buffer(name, static.get_buffer(name), persistent=False)
 
     def forward(self, features: torch.Tensor, write_slots: torch.Tensor, write_positions: torch.Tensor) -> torch.Tensor:
         """Write the context K/V of ``features [R, L, F·H]`` at ``(write_slots, write_positions)
@@ -312,6 +330,32 @@ class StaticContext(nn.Module):
             k_cache.index_put_(index, k.transpose(1, 2).to(k_cache.dtype))
             v_cache.index_put_(index, v.transpose(1, 2).to(v_cache.dtype))
         return context
+
+
+class StaticContextDrafter(nn.Module):
+    """The drafting forward of a step with the context append before it, for compilation (CPU): the
+    features its rows committed since they last drafted become context K/V (:class:`StaticContext`),
+    then each row drafts its block (:class:`StaticDrafter`) reading that context. Both are small,
+    so one graph instead of two saves a call's fixed cost (about 0.5 ms on 2 cores)."""
+
+    def __init__(self, context: StaticContext, drafter: StaticDrafter) -> None:
+        super().__init__()
+        self.context, self.drafter = context, drafter
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        write_slots: torch.Tensor,
+        write_positions: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        positions: torch.Tensor,
+        read_slots: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`StaticContext.forward` on ``features [R, L, F·H]``, ``write_slots`` and
+        ``write_positions [R, L]``, then :meth:`StaticDrafter.forward` on the rest."""
+        self.context(features, write_slots, write_positions)
+        return self.drafter(anchor_ids, positions, read_slots, key_positions)
 
 
 class StaticSelector(nn.Module):
@@ -535,13 +579,17 @@ class ModelRunner:
         if self.draft_cache is not None and self.drafter is not None and self.drafter.supports_compile:
             own_layers = can_prepack(self.device, self.dtype)  # the eager drafter is packed in place
             drafter = StaticDrafter(self.drafter, self.draft_cache, own_layers)
-            modules.append(("drafter", drafter.eval()))
-            if not self._cuda:
+            if self._cuda:
+                modules.append(("drafter", drafter.eval()))
+            else:
                 # Small and shaped by the step (context widths up to a prompt, any row count): CUDA
-                # graphs would record one per shape, so on CUDA these two stay eager.
-                context = StaticContext(self.drafter, self.draft_cache, drafter.layers)
+                # graphs would record one per shape, so on CUDA the context append and the selector stay
+                # eager. On CPU the drafting forward first writes the context its rows committed since
+                # they last drafted (one graph instead of two calls per step).
+                context = StaticContext(self.drafter, drafter)
                 if own_layers:  # the eager drafter's fusion layer is packed in place too
                     context.fc = copy.deepcopy(context.fc)
+                modules.append(("drafter", StaticContextDrafter(context, drafter).eval()))
                 modules.append(("context", context.eval()))
                 modules.append(("selector", StaticSelector(self.drafter, self.use_selector).eval()))
         if linear_backend(self.device, self.dtype) == "kernel":
@@ -616,10 +664,10 @@ class ModelRunner:
                         features = torch.zeros(
                             num_rows, width, self.drafter.fc.in_features, dtype=self.dtype, device=self.device
                         )
-                        self._context_call(slots, [0] * num_rows, features, [width] * num_rows, forward)
+                        self._context_call(slots, PendingWrites(features, [width] * num_rows), forward)
                     elif name == "drafter":
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-                        self._draft_call(slots, anchors, torch.ones_like(anchors), self.block_size, forward)
+                        self._draft_call(slots, anchors, torch.ones_like(anchors), self.block_size, None, forward)
                     else:  # the selector, on a drafted block
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
                         hidden, logits = self.draft(slots, anchors, torch.ones_like(anchors))
@@ -735,9 +783,15 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def draft(
-        self, slots: list[int], anchor_ids: torch.Tensor, starts: torch.Tensor, width: int | None = None
+        self,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        width: int | None = None,
+        context: PendingWrites | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE drafter forward over every row's block ``[anchor, MASK × (W−1)]``.
+        """ONE drafter forward over every row's block ``[anchor, MASK × (W−1)]``, after writing the
+        drafter context ``context`` holds for these rows (on CPU, compiled, in the same graph).
 
         The drafter runs only the block the step verifies: W tokens, not the block size B it was
         trained at, so a narrow verify step (adaptive speculation) pays for a narrow draft. Its
@@ -749,8 +803,10 @@ class ModelRunner:
 
         Args:
             slots: the rows' cache slots (R); anchor_ids: ``[R]``; starts: ``[R]`` int64, each
-                anchor's position (= its context length).
+                anchor's position (= its context length, counting ``context``'s tokens).
             width: W, 2 … B (default B).
+            context: target features still to be written as these rows' drafter context
+                (:meth:`append_context`'s arguments, one entry per row, length 0 for none).
 
         Returns:
             ``(hidden [R, W−1, H], unary logits [R, W−1, V or Vd] float32)``.
@@ -762,11 +818,19 @@ class ModelRunner:
         width = self.block_size if width is None else width
         if not 2 <= width <= self.block_size:
             raise ValueError(f"draft width {width} outside 2 … {self.block_size}")
+        if context is not None and not self._draft_writes_context:
+            self.append_context(slots, context.starts, context.features, context.lengths)
+            context = None
         if self._draft_forward is None:
             hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)[:, 1:]
             return hidden, self.drafter.logits(hidden)
-        hidden, logits = self._draft_call(slots, anchor_ids, starts, self.block_size if self._cuda else width)
+        hidden, logits = self._draft_call(slots, anchor_ids, starts, self.block_size if self._cuda else width, context)
         return hidden[:, : width - 1], logits[:, : width - 1]
+
+    @property
+    def _draft_writes_context(self) -> bool:
+        """True when the compiled drafting forward writes the pending context itself (CPU)."""
+        return self._draft_forward is not None and not self._cuda
 
     def _draft_call(
         self,
@@ -774,10 +838,11 @@ class ModelRunner:
         anchor_ids: torch.Tensor,
         starts: torch.Tensor,
         width: int,
+        context: PendingWrites | None = None,
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self._draft_forward if forward is None else forward
-        assert forward is not None and self.draft_cache is not None
+        assert forward is not None and self.draft_cache is not None and self.drafter is not None
         num_rows, device = len(slots), self.device
         padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
         max_start = int(starts.max())
@@ -790,8 +855,20 @@ class ModelRunner:
             start_tensor[:num_rows] = starts.clone()
             positions = start_tensor[:, None] + torch.arange(width, device=device)[None]
             keys = torch.arange(key_length(max(max_start, 1), self.max_model_len, self._cuda), device=device)
-            self._mark_dynamic([anchors, positions, read_slots], keys, width_inputs=[positions])
-            hidden, logits = forward(anchors, positions, read_slots, keys)
+            inputs = [anchors, positions, read_slots]
+            self._mark_dynamic(inputs, keys, width_inputs=[positions])
+            if self._cuda:
+                hidden, logits = forward(*inputs, keys)
+            else:
+                # At least two context tokens per row (padding writes the scratch slot), so that one graph
+                # per row class serves every step (a width of 1 would be a graph of its own).
+                if context is None:
+                    context = PendingWrites(torch.zeros(num_rows, 2, self.drafter.fc.in_features), [0] * num_rows)
+                writes = self._context_inputs(slots, context, min_width=2)
+                self._mark_dynamic(writes, width_inputs=writes)
+                hidden, logits = forward(*writes, *inputs, keys)
+        if context is not None:
+            self._roll_context(slots, context.starts, context.lengths)
         return hidden[:num_rows], logits[:num_rows]
 
     def propose(
@@ -856,14 +933,20 @@ class ModelRunner:
         """
         assert self.drafter is not None and self.draft_cache is not None
         if self._context_forward is not None:
-            self._context_call(slots, starts, features, lengths)
+            self._context_call(slots, PendingWrites(features, list(lengths), list(starts)))
         else:
             self._eager_context(slots, starts, features, lengths)
+        self._roll_context(slots, starts, lengths)
+
+    def _roll_context(self, slots: list[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """Each slot's drafter context now ends after its written tokens (rows with none unchanged)."""
+        assert self.draft_cache is not None
         for slot, start, n in zip(slots, starts, lengths):
-            self.draft_cache.rollback(slot, start + n)
+            if n:
+                self.draft_cache.rollback(slot, start + n)
 
     def _eager_context(
-        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
+        self, slots: list[int], starts: Sequence[int], features: torch.Tensor, lengths: Sequence[int]
     ) -> None:
         """The drafter context write through the eager drafter (its linears pre-packed on CPU)."""
         assert self.drafter is not None and self.draft_cache is not None
@@ -874,24 +957,26 @@ class ModelRunner:
         flat_slots = torch.tensor(slots, device=self.device)[:, None].expand(-1, width)[keep]
         self.drafter.append_context(self.draft_cache, flat_slots, positions[keep], features[keep])
 
+    def _context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
+        """``(features, write_slots, write_positions)`` for a compiled context write: rows padded to
+        ``min_width`` tokens or more, each row's positions past its length written into the scratch
+        slot, as a verify forward's padding is."""
+        features = context.features.to(self.dtype)  # the dtype the graphs were built for
+        if features.shape[1] < min_width:
+            features = F.pad(features, (0, 0, 0, min_width - features.shape[1]))
+        positions = torch.tensor(context.starts)[:, None] + torch.arange(features.shape[1])[None]
+        writes = self._padded_writes(torch.tensor(slots), positions, torch.tensor(context.lengths))
+        return [_graph_input(features), *(t.to(self.device) for t in writes)]
+
     def _context_call(
-        self,
-        slots: list[int],
-        starts: list[int],
-        features: torch.Tensor,
-        lengths: Sequence[int],
-        forward: Callable[..., torch.Tensor] | None = None,
+        self, slots: list[int], context: PendingWrites, forward: Callable[..., torch.Tensor] | None = None
     ) -> None:
         """The drafter context write through the compiled :class:`StaticContext` (the caller rolls the
-        slots forward): each row's positions past its length write into the scratch slot, as a verify
-        forward's padding does."""
+        slots forward)."""
         forward = self._context_forward if forward is None else forward
         assert forward is not None
         with _compiled_mode():
-            positions = torch.tensor(starts)[:, None] + torch.arange(features.shape[1])[None]
-            writes = self._padded_writes(torch.tensor(slots), positions, torch.tensor(lengths))
-            # Cast to the dtype the graphs were built for.
-            inputs = [_graph_input(features.to(self.dtype)), *(t.to(self.device) for t in writes)]
+            inputs = self._context_inputs(slots, context)
             self._mark_dynamic(inputs, width_inputs=inputs)
             forward(*inputs)
 

@@ -157,12 +157,16 @@ def walk(
     rows = torch.arange(num_rows, device=candidate_ids.device)
     prev_index = torch.zeros(num_rows, dtype=torch.long, device=candidate_ids.device)
     places = torch.arange(k, device=candidate_ids.device)
+    # prefix[i, c] = c ≤ i: the cumulative sums as one reduction, and the inverse-CDF draw as a count
+    # (searchsorted(cdf, u, right=True) = #{i : cdf_i ≤ u} for a non-decreasing cdf), which a
+    # compiler fuses with the rest of the step instead of calling cumsum and searchsorted per slot.
+    prefix = (places[None, :] <= places[:, None]).float()  # [k, k]
     chosen, probs = [], []
     for j in range(num_slots):
         scores = unary_scores[:, j] if lattice is None else lattice[rows, j, prev_index]  # [R, k]
         q = torch.softmax(scores * inv_t[:, None], dim=-1)
-        cdf = q.cumsum(dim=-1)
-        sampled = torch.searchsorted(cdf, uniforms[:, j : j + 1] * cdf[:, -1:], right=True).squeeze(-1)
+        cdf = (q[:, None, :] * prefix[None]).sum(dim=-1)  # [R, k]
+        sampled = (cdf <= uniforms[:, j : j + 1] * cdf[:, -1:]).sum(dim=-1)
         index = torch.where(greedy, scores.argmax(dim=-1), sampled.clamp(max=k - 1))
         one_hot = (index[:, None] == places).float()  # F.one_hot, in a form that compiles
         probs.append(torch.where(greedy[:, None], one_hot, q))

@@ -14,7 +14,7 @@ import torch
 
 from dflash2 import LLM, SamplingParams
 from dflash2.precompiled import PrecompiledForward
-from dflash2.runner import ModelRunner, key_length
+from dflash2.runner import ModelRunner, PendingWrites, key_length
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
 
@@ -230,6 +230,41 @@ def test_compiled_draft_matches_eager_at_every_width(target, compiled_spec):
     with pytest.raises(ValueError, match="draft width"):
         fast.draft([0], torch.tensor([1]), torch.tensor([6]), 9)
     assert built_graphs(compiled_spec)[2] == ("rows=1", "rows=2+")  # no graph per width
+
+
+def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
+    """On CPU the drafting graph first writes the context its rows committed since they last drafted:
+    the same K/V, hidden states and logits as the eager append followed by the eager draft, rows with
+    one token or none padded into the scratch slot, each slot's context length moved past its tokens."""
+    eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
+    fast: ModelRunner = compiled_spec.runner
+    assert fast._draft_writes_context and not eager._draft_writes_context
+    generator = torch.Generator().manual_seed(4)
+    dim = fast.drafter.fc.in_features
+    earlier = torch.randn(3, 6, dim, generator=generator)
+    for runner in (eager, fast):
+        runner.append_context([0, 1, 2], [0, 0, 0], earlier, [6, 5, 4])
+    before = fast.draft_cache.k.clone()
+    for slots, pending, lengths, starts in (([0, 1, 2], 3, [3, 1, 0], [6, 5, 4]), ([2], 1, [1], [4])):
+        features = torch.randn(len(slots), pending, dim, generator=generator)
+        anchors = torch.randint(0, 50, (len(slots),), generator=generator)
+        ends = torch.tensor([s + n for s, n in zip(starts, lengths)])
+        results = []
+        with torch.inference_mode():
+            for runner in (eager, fast):
+                context = PendingWrites(features, lengths, starts)
+                results.append(runner.draft(slots, anchors, ends, 4, context))
+        for expected, got in zip(*results):
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for cache in ("k", "v"):
+        expected, got = getattr(eager.draft_cache, cache), getattr(fast.draft_cache, cache)
+        for slot, length in enumerate([9, 6, 5]):
+            torch.testing.assert_close(got[:, slot, :, :length], expected[:, slot, :, :length], atol=1e-5, rtol=1e-5)
+    changed = (fast.draft_cache.k != before).any(-1).any(0).any(1)  # [slots, positions]
+    assert changed[0, 6:9].all() and changed[1, 5] and changed[2, 4]
+    changed[0, 6:9] = changed[1, 5] = changed[2, 4] = False
+    assert not changed[: fast.scratch_slot].any()  # padding only into the scratch slot
+    assert fast.draft_cache.lengths[:3] == eager.draft_cache.lengths[:3] == [9, 6, 5]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
