@@ -66,7 +66,7 @@ class PrecompiledForward:
         module: the static module (its weights and buffers are read at every call).
         name: for log lines.
         shape_class: maps a call's positional inputs to a hashable label of the graph they need
-            (e.g. ``("rows=1", "width=8+")``); inputs of one class must also carry the same
+            (e.g. ``("rows=1", "width=2+")``); inputs of one class must also carry the same
             dynamic-dimension marks (``torch._dynamo.maybe_mark_dynamic``).
         guard_filter: dynamo guard filter (``guard_filter_fn``); guards that cannot be saved
             (object identities, globals) are dropped as well.

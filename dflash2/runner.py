@@ -675,7 +675,7 @@ class ModelRunner:
                         self._select_call(hidden, logits, anchors, zeros[:, 0], zeros, forward)
                 elapsed = time.perf_counter() - start
                 rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
-                width_label = f" width={width}{'+' if width > 1 and not self._cuda else ''}" if len(widths) > 1 else ""
+                width_label = f" width={'2+' if width > 1 and not self._cuda else width}" if len(widths) > 1 else ""
                 graph = f"{name} rows={rows_label}{width_label}"
                 source = getattr(forward, "last_source", None) or "compiled"
                 self.compile_times[graph], self.graph_sources[graph] = elapsed, source
