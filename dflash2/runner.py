@@ -567,6 +567,11 @@ class ModelRunner:
         """True when the verify / decode forward runs compiled."""
         return self._target_forward is not None
 
+    @property
+    def drafter_compiled(self) -> bool:
+        """True when the drafter's block forward runs compiled (not through ``DFlashDrafter.draft_hidden``)."""
+        return self._draft_forward is not None
+
     # ---- set-up -----------------------------------------------------------------------------
 
     def _static_modules(self) -> list[tuple[str, nn.Module]]:

@@ -61,6 +61,9 @@ def measure_conv_overhead(
     drafter = runner.engine.drafter
     if drafter is None or not drafter.config.has_conv:
         return {"skipped": "the drafter has no dynamic convolutions"}
+    if runner.engine.runner.drafter_compiled:
+        # Its graph was built with the convolutions; the method's eager row (--enforce-eager) times them.
+        return {"skipped": "the drafter runs compiled (see the eager row)"}
     original = drafter.draft_hidden
     with_conv: list[float] = []
     without_conv: list[float] = []

@@ -131,6 +131,16 @@ def test_conv_probe_times_both_variants_and_leaves_the_drafter_intact(tiny_folde
     )
 
 
+def test_conv_probe_says_why_it_skips_a_compiled_drafter(
+    tiny_folders: TinyFolders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled drafter never calls ``draft_hidden``: the probe says so instead of timing nothing."""
+    runner = _engine_runner(tiny_folders, 4)
+    monkeypatch.setattr(type(runner.engine.runner), "drafter_compiled", property(lambda self: True))
+    probe = measure_conv_overhead(runner, _prompt(tiny_folders.model), 8, repeats=2)
+    assert probe == {"skipped": "the drafter runs compiled (see the eager row)"}
+
+
 def test_convs_disabled_changes_the_forward_and_restores(tiny_folders: TinyFolders) -> None:
     runner = _engine_runner(tiny_folders, 4)
     drafter = runner.engine.drafter

@@ -239,6 +239,7 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
     eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
     fast: ModelRunner = compiled_spec.runner
     assert fast._draft_writes_context and not eager._draft_writes_context
+    assert fast.drafter_compiled and not eager.drafter_compiled
     generator = torch.Generator().manual_seed(4)
     dim = fast.drafter.fc.in_features
     earlier = torch.randn(3, 6, dim, generator=generator)
