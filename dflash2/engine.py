@@ -625,6 +625,7 @@ class Engine:
         context = None
         if any(r.pending_context for r in rows):  # what the rows committed since they last drafted
             some = next(r.pending_context.features() for r in rows if r.pending_context)
+            # A row with nothing pending gets an empty segment of the same feature size and dtype.
             segments = [r.pending_context.features() if r.pending_context else some[:0] for r in rows]
             context = PendingWrites(
                 torch.nn.utils.rnn.pad_sequence(segments, batch_first=True),
