@@ -473,15 +473,26 @@ class Engine:
     def _write_context(self, requests: Sequence[Request]) -> None:
         """Write the drafter context still pending for ``requests`` (one batched call)."""
         pending = [r for r in requests if r.pending_context and r.slot is not None]
-        if not pending or self.drafter is None:
+        writes = self._pending_writes(pending)
+        if writes is None or self.drafter is None:
             return
-        segments = [r.pending_context.features() for r in pending]
-        features = torch.nn.utils.rnn.pad_sequence(segments, batch_first=True)
-        starts = [r.pending_context.start for r in pending]
-        lengths = [r.pending_context.num_tokens for r in pending]
-        self.runner.append_context([self._slot(r) for r in pending], starts, features, lengths)
+        self.runner.append_context([self._slot(r) for r in pending], writes.starts, writes.features, writes.lengths)
         for request in pending:
             request.pending_context.clear()
+
+    @staticmethod
+    def _pending_writes(rows: Sequence[Request]) -> PendingWrites | None:
+        """The drafter context ``rows`` committed since they last drafted, as one batch padded to the
+        longest (a row with nothing pending has length 0), or None when no row has any."""
+        segments = [r.pending_context.features() if r.pending_context else None for r in rows]
+        some = next((s for s in segments if s is not None), None)
+        if some is None:
+            return None
+        return PendingWrites(
+            torch.nn.utils.rnn.pad_sequence([some[:0] if s is None else s for s in segments], batch_first=True),
+            [r.pending_context.num_tokens for r in rows],
+            [r.pending_context.start for r in rows],
+        )
 
     # ---- per-request failure isolation ----------------------------------------------------------
 
@@ -622,16 +633,7 @@ class Engine:
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        context = None
-        if any(r.pending_context for r in rows):  # what the rows committed since they last drafted
-            some = next(r.pending_context.features() for r in rows if r.pending_context)
-            # A row with nothing pending gets an empty segment of the same feature size and dtype.
-            segments = [r.pending_context.features() if r.pending_context else some[:0] for r in rows]
-            context = PendingWrites(
-                torch.nn.utils.rnn.pad_sequence(segments, batch_first=True),
-                [r.pending_context.num_tokens for r in rows],
-                [r.pending_context.start for r in rows],
-            )
+        context = self._pending_writes(rows)  # written before the draft (on CPU, in the same forward)
         hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts, width, context)
         for request in rows:
             request.pending_context.clear()

@@ -76,15 +76,11 @@ CUDA_MIN_KEYS = 256
 @dataclasses.dataclass
 class PendingWrites:
     """Drafter context to write for a batch of rows: the first ``lengths[r]`` of ``features [R, L, F·H]``
-    at positions ``starts[r] ..`` (all 0 when not given)."""
+    at positions ``starts[r] ..`` (a row of length 0 writes nothing, whatever its start)."""
 
     features: torch.Tensor
     lengths: list[int]
-    starts: list[int] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.starts:
-            self.starts = [0] * len(self.lengths)
+    starts: list[int]
 
 
 def _bucket_rows(num_rows: int, max_rows: int) -> int:
@@ -669,7 +665,7 @@ class ModelRunner:
                         features = torch.zeros(
                             num_rows, width, self.drafter.fc.in_features, dtype=self.dtype, device=self.device
                         )
-                        self._context_call(slots, PendingWrites(features, [width] * num_rows), forward)
+                        self._context_call(slots, PendingWrites(features, [width] * num_rows, [0] * num_rows), forward)
                     elif name == "drafter":
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
                         self._draft_call(slots, anchors, torch.ones_like(anchors), self.block_size, None, forward)
@@ -868,7 +864,8 @@ class ModelRunner:
                 # At least two context tokens per row (padding writes the scratch slot), so that one graph
                 # per row class serves every step (a width of 1 would be a graph of its own).
                 if context is None:
-                    context = PendingWrites(torch.zeros(num_rows, 2, self.drafter.fc.in_features), [0] * num_rows)
+                    features = torch.zeros(num_rows, 2, self.drafter.fc.in_features, dtype=self.dtype)
+                    context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
                 writes = self._context_inputs(slots, context, min_width=2)
                 self._mark_dynamic(writes, width_inputs=writes)
                 hidden, logits = forward(*writes, *inputs, keys)
