@@ -237,9 +237,7 @@ class Engine:
         start = time.perf_counter()
         slots = self.config.max_num_seqs
         row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
-        verify, draft = self.runner.measure_costs(
-            row_counts, self.runner.verify_widths, self._select_for_costs, context=COST_CONTEXT
-        )
+        verify, draft = self.runner.measure_costs(row_counts, self.runner.verify_widths, context=COST_CONTEXT)
         model = CostModel(slots, self.runner.verify_widths)
         model.seed(verify, draft)
         logger.info(
@@ -250,15 +248,6 @@ class Engine:
             ", ".join(f"{w}: {1000 * model.draft[(1, w)]:.1f}" for w in model.widths if w > 1),
         )
         return model
-
-    def _select_for_costs(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> None:
-        """The drafted path's choice (top-k, lattice, walk) as a greedy step runs it after the drafter's
-        block: the cost table's drafting cost is both, as every step measures it."""
-        assert self.drafter is not None
-        rows = anchors.shape[0]
-        temperatures = torch.zeros(rows, device=self.device)
-        uniforms = torch.zeros(rows, hidden.shape[1], device=self.device)
-        self.runner.propose(hidden, logits, anchors, temperatures, uniforms)
 
     @property
     def is_speculative(self) -> bool:
@@ -585,9 +574,7 @@ class Engine:
             # after a pause look dearer, so the policy would pause longer. One step's worth is written
             # by the drafting forward itself (_draft).
             self._write_context([r for r in rows if r.pending_context.num_tokens > self.block_size])
-            anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
-            hidden, draft_logits = self._draft(rows, anchors, width, stats)
-            proposal = self._select(rows, anchors, hidden, draft_logits, stats)
+            proposal = self._draft(rows, width, stats)
         else:
             proposal = self._no_proposal(len(rows))
         verified = self._verify(rows, proposal, num_drafts, stats)
@@ -625,33 +612,38 @@ class Engine:
         limit = self.block_size - 1
         return [max(0, min(limit, r.remaining_tokens - 1, self.max_model_len - r.num_cached - 1)) for r in rows]
 
-    def _draft(
-        self, rows: list[Request], anchors: torch.Tensor, width: int, stats: StepStats
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ONE drafter forward for all rows from ``anchors [R]`` over the step's ``width``-token block:
-        hidden ``[R, J, H]``, unary logits ``[R, J, V]`` (J = width − 1)."""
+    def _draft(self, rows: list[Request], width: int, stats: StepStats) -> Proposal:
+        """Each row's drafted path over the step's ``width``-token block: ONE drafter forward from the
+        rows' last tokens (the anchors), after writing the context they committed since they last
+        drafted, then top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk. On
+        CPU one compiled graph does all of it, timed as drafting (``select_time`` stays 0)."""
         assert self.drafter is not None and self.draft_cache is not None
         start = time.perf_counter()
+        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=self.device)
         starts = torch.tensor([r.num_cached for r in rows], device=self.device)
-        context = self._pending_writes(rows)  # written before the draft (on CPU, in the same forward)
-        hidden, logits = self.runner.draft([self._slot(r) for r in rows], anchors, starts, width, context)
-        for request in rows:
-            request.pending_context.clear()
-        stats.draft_time += time.perf_counter() - start
-        return hidden, logits
-
-    def _select(
-        self, rows: list[Request], anchors: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats
-    ) -> Proposal:
-        """Top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk."""
-        start = time.perf_counter()
-        assert self.drafter is not None
+        context = self._pending_writes(rows)
         temperatures = torch.tensor([r.params.temperature for r in rows], device=self.device)
         # B − 1 per row whatever the width: a row's random stream advances the same on every step.
-        uniforms = torch.stack([self._uniforms(r, self.block_size - 1) for r in rows]).to(self.device)
-        proposal = self.runner.propose(hidden, logits, anchors, temperatures, uniforms[:, : hidden.shape[1]])
-        stats.select_time += time.perf_counter() - start
+        uniforms = self._step_uniforms(rows, self.block_size - 1)
+        slots = [self._slot(r) for r in rows]
+        if self.runner.draft_selects:
+            proposal = self.runner.draft_proposal(slots, anchors, starts, temperatures, uniforms, width, context)
+            stats.draft_time += self._phase_end() - start
+            stats.select_in_draft = True
+        else:
+            hidden, logits = self.runner.draft(slots, anchors, starts, width, context)
+            selecting = self._phase_end()
+            stats.draft_time += selecting - start
+            proposal = self.runner.propose(hidden, logits, anchors, temperatures, uniforms[:, : width - 1])
+            stats.select_time += self._phase_end() - selecting
+        for request in rows:
+            request.pending_context.clear()
         return proposal
+
+    def _phase_end(self) -> float:
+        """``time.perf_counter()`` at the end of a timed phase of the step (a subclass that times a
+        GPU's phases waits for their queued kernels first)."""
+        return time.perf_counter()
 
     def _no_proposal(self, num_rows: int) -> Proposal:
         """The empty proposal of an autoregressive step (block size 1)."""
@@ -677,7 +669,7 @@ class Engine:
         else:
             probs = target_probs(logits, self._logits_context(rows), draft_ids, allowed)
             num_slots = self.block_size - 1
-            uniforms = torch.stack([self._uniforms(r, num_slots + 1) for r in rows]).to(self.device)
+            uniforms = self._step_uniforms(rows, num_slots + 1)
             num_accepted, next_ids = rejection_accept(
                 draft_ids,
                 proposal.candidate_ids[:, :width],
@@ -864,6 +856,12 @@ class Engine:
             output_ids=[r.output_ids for r in rows],
             eos_token_ids=list(self.eos_token_ids),
         )
+
+    def _step_uniforms(self, rows: list[Request], n: int) -> torch.Tensor:
+        """``[R, n]`` uniforms, each row's from its own generator (zeros for greedy rows, which draw none)."""
+        if all(r.params.is_greedy for r in rows):
+            return torch.zeros(len(rows), n, device=self.device)
+        return torch.stack([self._uniforms(r, n) for r in rows]).to(self.device)
 
     @staticmethod
     def _uniforms(request: Request, n: int) -> torch.Tensor:

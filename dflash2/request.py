@@ -191,6 +191,8 @@ class StepStats:
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
         draft_time, select_time, verify_time, total_time: seconds.
+        select_in_draft: the choice of the drafted path ran inside the drafting forward (compiled on
+            CPU), so its time is part of ``draft_time`` and ``select_time`` is 0.
         grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
         verify_width: tokens per row of the step's verify forward (1: no drafts; 0: no decode step).
         draft_lengths: per decode row, the drafts it verified (adaptive speculation chooses them).
@@ -215,6 +217,7 @@ class StepStats:
     num_generated_tokens: int = 0
     draft_time: float = 0.0
     select_time: float = 0.0
+    select_in_draft: bool = False
     verify_time: float = 0.0
     grammar_time: float = 0.0
     verify_width: int = 0

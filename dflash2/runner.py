@@ -50,9 +50,12 @@ from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter, DraftLayer
 from dflash2.models.layers import (
+    MLP,
+    FusedMLP,
     apply_rope,
     attention,
     can_prepack,
+    fused_linear,
     linear_backend,
     onednn_bf16,
     prepack_linears,
@@ -197,37 +200,19 @@ class _StaticLayer(nn.Module):
         self.post_attention_layernorm: nn.Module = layer.post_attention_layernorm
         self.q_norm: nn.Module | None = attn.q_norm
         self.k_norm: nn.Module | None = attn.k_norm
-        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv = fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
         self.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         self.o_proj: nn.Module = attn.o_proj
-        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
         self.down_proj: nn.Module = mlp.down_proj
-
-
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs.
-
-    Raises:
-        ValueError: when a part has no dense weight (a model already pre-packed for eager use).
-    """
-    if any(not isinstance(p, nn.Linear) for p in parts):
-        raise ValueError("the model's linear layers are already pre-packed: build the runner from dense weights")
-    weight = torch.cat([p.weight.detach() for p in parts])
-    biases = [p.bias for p in parts]
-    has_bias = any(b is not None for b in biases)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if has_bias:
-        bias = [b.detach() if b is not None else weight.new_zeros(p.out_features) for p, b in zip(parts, biases)]
-        fused.bias = nn.Parameter(torch.cat(bias), requires_grad=False)
-    return fused
 
 
 class StaticDrafter(nn.Module):
     """A static-shape drafting forward of a :class:`DFlashDrafter` (block + LM head), for compilation.
 
     Shares the drafter's layers, or copies them when ``own_layers`` (the eager drafter's are then
-    pre-packed in place on CPU bfloat16); the token embedding and the (draft-vocabulary) LM head
+    pre-packed in place on CPU bfloat16), fusing each copy's Q/K/V (and K/V for the context) and
+    gate/up projections as the target's are fused; the token embedding and the (draft-vocabulary) LM head
     are registered as parameters (graph inputs, like every weight); the context cache tensors are
     buffers, one per layer. The block's width W (the anchor and W − 1 mask tokens) is a dimension of
     its inputs, so on CPU one graph drafts every width from 2 to the block size.
@@ -237,7 +222,12 @@ class StaticDrafter(nn.Module):
         super().__init__()
         assert drafter._target is not None, "bind_target() first"
         self.config = drafter.config
-        self.layers = copy.deepcopy(drafter.layers) if own_layers else drafter.layers
+        self.layers = drafter.layers
+        if own_layers:  # a copy, with Q/K/V and gate/up fused (fewer, larger matrix products)
+            self.layers = copy.deepcopy(drafter.layers)
+            for layer in cast(list[DraftLayer], list(self.layers)):
+                layer.self_attn.fuse_projections()
+                layer.mlp = FusedMLP(cast(MLP, layer.mlp))
         self.norm, self.rotary = drafter.norm, drafter.rotary
         self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
         head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
@@ -328,15 +318,25 @@ class StaticContext(nn.Module):
         return context
 
 
-class StaticContextDrafter(nn.Module):
-    """The drafting forward of a step with the context append before it, for compilation (CPU): the
-    features its rows committed since they last drafted become context K/V (:class:`StaticContext`),
-    then each row drafts its block (:class:`StaticDrafter`) reading that context. Both are small,
-    so one graph instead of two saves a call's fixed cost (about 0.5 ms on 2 cores)."""
+class StaticProposer(nn.Module):
+    """A drafted step's whole proposal as one forward, for compilation (CPU): the context append,
+    the drafting forward and the choice of the drafted path. The features the rows committed since
+    they last drafted become context K/V (:class:`StaticContext`), each row drafts its block
+    (:class:`StaticDrafter`) reading that context, and the selector (:class:`StaticSelector`) walks
+    its path through the block's top-k candidates. All three are small, so one graph instead of three
+    calls saves each call's fixed cost (about 0.5 ms on 2 cores for the first two).
 
-    def __init__(self, context: StaticContext, drafter: StaticDrafter) -> None:
+    The walk is unrolled over the B − 1 slots of a full block whatever the width: top-k runs on the
+    W − 1 drafted slots only, and the slots after them get zero scores, which the walk reaches only
+    after every real slot (callers cut the outputs back to W − 1).
+    """
+
+    def __init__(
+        self, context: StaticContext, drafter: StaticDrafter, selector: StaticSelector, block_size: int
+    ) -> None:
         super().__init__()
-        self.context, self.drafter = context, drafter
+        self.context, self.drafter, self.selector = context, drafter, selector
+        self.num_slots = block_size - 1
 
     def forward(
         self,
@@ -347,11 +347,23 @@ class StaticContextDrafter(nn.Module):
         positions: torch.Tensor,
         read_slots: torch.Tensor,
         key_positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`StaticContext.forward` on ``features [R, L, F·H]``, ``write_slots`` and
-        ``write_positions [R, L]``, then :meth:`StaticDrafter.forward` on the rest."""
+        ``write_positions [R, L]``; :meth:`StaticDrafter.forward` on ``anchor_ids`` … ``key_positions``;
+        then the path for ``temperatures [R]`` and ``uniforms [R, B − 1]``.
+
+        Returns:
+            ``(hidden [R, J, H], logits [R, J, V or Vd], draft_ids [R, B − 1], candidate_ids
+            [R, B − 1, k], draft_probs [R, B − 1, k])``, J = W − 1; slots from J on are padding.
+        """
         self.context(features, write_slots, write_positions)
-        return self.drafter(anchor_ids, positions, read_slots, key_positions)
+        hidden, logits = self.drafter(anchor_ids, positions, read_slots, key_positions)
+        draft_ids, candidate_ids, draft_probs = self.selector(
+            hidden, logits, anchor_ids, temperatures, uniforms, num_slots=self.num_slots
+        )
+        return hidden, logits, draft_ids, candidate_ids, draft_probs
 
 
 class StaticSelector(nn.Module):
@@ -389,18 +401,22 @@ class StaticSelector(nn.Module):
         anchor_ids: torch.Tensor,
         temperatures: torch.Tensor,
         uniforms: torch.Tensor,
+        num_slots: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`DFlashDrafter.propose` on ``hidden [R, J, H]``, ``logits [R, J, V or Vd]``,
-        ``anchor_ids [R]``, ``temperatures [R]`` and ``uniforms [R, J]``.
+        ``anchor_ids [R]``, ``temperatures [R]`` and ``uniforms [R, S]``, walking S = ``num_slots``
+        slots (default J; :func:`~dflash2.selector.draft_path`).
 
         Returns:
-            ``(draft_ids [R, J], candidate_ids [R, J, k], draft_probs [R, J, k])`` (a :class:`Proposal`).
+            ``(draft_ids [R, S], candidate_ids [R, S, k], draft_probs [R, S, k])`` (a :class:`Proposal`).
         """
         weights = None
         if self.use_lattice:
             weights = SelectorWeights(self.predecessor_codebook, self.successor_codebook, self.hidden_projection)
         vocab = self.draft_vocab if self.has_draft_vocab else None
-        proposal = draft_path(hidden, logits, anchor_ids, temperatures, uniforms, self.num_candidates, vocab, weights)
+        proposal = draft_path(
+            hidden, logits, anchor_ids, temperatures, uniforms, self.num_candidates, vocab, weights, num_slots
+        )
         return proposal.draft_ids, proposal.candidate_ids, proposal.draft_probs
 
 
@@ -448,16 +464,15 @@ def _target_shape_class(inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
 
 
 def _rows_class(inputs: Sequence[torch.Tensor]) -> str:
-    """The CPU graph a :class:`StaticDrafter` or :class:`StaticSelector` call needs: batch 1 or more."""
+    """The CPU graph a :class:`StaticDrafter` or :class:`StaticProposer` call needs: batch 1 or more."""
     return "rows=1" if inputs[0].shape[0] == 1 else "rows=2+"
 
 
-_FORWARD_NAMES = {"target": "target", "drafter": "draft", "context": "context", "selector": "select"}
+_FORWARD_NAMES = {"target": "target", "drafter": "draft", "context": "context"}
 _SHAPE_CLASSES: dict[str, Callable[[Sequence[torch.Tensor]], Any]] = {
     "target": _target_shape_class,
     "drafter": _rows_class,
     "context": _target_shape_class,
-    "selector": _rows_class,
 }
 
 
@@ -533,9 +548,8 @@ class ModelRunner:
         )
         self._cuda = self.device.type == "cuda"
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._draft_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._draft_forward: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self._context_forward: Callable[..., torch.Tensor] | None = None
-        self._select_forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
@@ -585,14 +599,14 @@ class ModelRunner:
             else:
                 # Small and shaped by the step (context widths up to a prompt, any row count): CUDA
                 # graphs would record one per shape, so on CUDA the context append and the selector stay
-                # eager. On CPU the drafting forward first writes the context its rows committed since
-                # they last drafted (one graph instead of two calls per step).
+                # eager. On CPU one graph writes the context the rows committed since they last drafted,
+                # drafts and chooses the path (one call per step instead of three).
                 context = StaticContext(self.drafter, drafter)
                 if own_layers:  # the eager drafter's fusion layer is packed in place too
                     context.fc = copy.deepcopy(context.fc)
-                modules.append(("drafter", StaticContextDrafter(context, drafter).eval()))
+                selector = StaticSelector(self.drafter, self.use_selector)
+                modules.append(("drafter", StaticProposer(context, drafter, selector, self.block_size).eval()))
                 modules.append(("context", context.eval()))
-                modules.append(("selector", StaticSelector(self.drafter, self.use_selector).eval()))
         if linear_backend(self.device, self.dtype) == "kernel":
             # The bfloat16 kernel is a custom op that graphs call with the packed weight as an input
             # (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
@@ -666,14 +680,10 @@ class ModelRunner:
                             num_rows, width, self.drafter.fc.in_features, dtype=self.dtype, device=self.device
                         )
                         self._context_call(slots, PendingWrites(features, [width] * num_rows, [0] * num_rows), forward)
-                    elif name == "drafter":
+                    else:  # the drafter's block (on CPU with the context write and the walk)
                         anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-                        self._draft_call(slots, anchors, torch.ones_like(anchors), self.block_size, None, forward)
-                    else:  # the selector, on a drafted block
-                        anchors = torch.zeros(num_rows, dtype=torch.long, device=self.device)
-                        hidden, logits = self.draft(slots, anchors, torch.ones_like(anchors))
-                        zeros = torch.zeros(num_rows, self.block_size - 1, device=self.device)
-                        self._select_call(hidden, logits, anchors, zeros[:, 0], zeros, forward)
+                        ones = torch.ones_like(anchors)
+                        self._draft_call(slots, anchors, ones, self.block_size, None, None, None, forward)
                 elapsed = time.perf_counter() - start
                 rows_label = f"{num_rows}{'+' if num_rows > 1 and not self._cuda else ''}"
                 width_label = f" width={'2+' if width > 1 and not self._cuda else width}" if len(widths) > 1 else ""
@@ -800,7 +810,8 @@ class ModelRunner:
         of a B-token one; measured on SmolLM2's drafter, their acceptance per position is the same
         within noise (``docs/engine.md``). Verification is lossless whatever is drafted. With CUDA
         graphs the drafter runs the full block (its graphs have fixed shapes) and the first W − 1
-        slots are returned.
+        slots are returned. A step that goes on to choose the drafted path calls
+        :meth:`draft_proposal`, which on CPU does both in one graph.
 
         Args:
             slots: the rows' cache slots (R); anchor_ids: ``[R]``; starts: ``[R]`` int64, each
@@ -815,22 +826,69 @@ class ModelRunner:
         Raises:
             ValueError: when ``width`` is outside 2 … B.
         """
+        width = self._check_width(width)
+        if self._draft_forward is None:
+            return self._eager_draft(slots, anchor_ids, starts, width, context)
+        hidden, logits, *_ = self._draft_call(slots, anchor_ids, starts, width, context)
+        return hidden[:, : width - 1], logits[:, : width - 1]
+
+    def draft_proposal(
+        self,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+        width: int | None = None,
+        context: PendingWrites | None = None,
+    ) -> Proposal:
+        """A drafted step's proposal: :meth:`draft`, then :meth:`propose` on its block — on CPU,
+        compiled, one graph for the context write, the drafter's block and the walk
+        (:class:`StaticProposer`).
+
+        Args:
+            slots, anchor_ids, starts, width, context: as for :meth:`draft`.
+            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, B − 1]`` in
+                [0, 1) (the first W − 1 are used).
+
+        Returns:
+            The :class:`~dflash2.selector.Proposal` over W − 1 slots, candidates as token ids.
+
+        Raises:
+            ValueError: when ``width`` is outside 2 … B.
+        """
+        width = self._check_width(width)
+        if not self.draft_selects:
+            hidden, logits = self.draft(slots, anchor_ids, starts, width, context)
+            return self.propose(hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1])
+        _, _, *proposal = self._draft_call(slots, anchor_ids, starts, width, context, temperatures, uniforms)
+        return Proposal(*(t[:, : width - 1] for t in proposal))
+
+    def _check_width(self, width: int | None) -> int:
         assert self.drafter is not None and self.draft_cache is not None
         width = self.block_size if width is None else width
         if not 2 <= width <= self.block_size:
             raise ValueError(f"draft width {width} outside 2 … {self.block_size}")
-        if context is not None and not self._draft_writes_context:
+        return width
+
+    def _eager_draft(
+        self,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        width: int,
+        context: PendingWrites | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.drafter is not None and self.draft_cache is not None
+        if context is not None:
             self.append_context(slots, context.starts, context.features, context.lengths)
-            context = None
-        if self._draft_forward is None:
-            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)[:, 1:]
-            return hidden, self.drafter.logits(hidden)
-        hidden, logits = self._draft_call(slots, anchor_ids, starts, self.block_size if self._cuda else width, context)
-        return hidden[:, : width - 1], logits[:, : width - 1]
+        hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)[:, 1:]
+        return hidden, self.drafter.logits(hidden)
 
     @property
-    def _draft_writes_context(self) -> bool:
-        """True when the compiled drafting forward writes the pending context itself (CPU)."""
+    def draft_selects(self) -> bool:
+        """True when the compiled drafting forward also writes the pending context and chooses the
+        drafted path (CPU: :class:`StaticProposer`)."""
         return self._draft_forward is not None and not self._cuda
 
     def _draft_call(
@@ -840,10 +898,20 @@ class ModelRunner:
         starts: torch.Tensor,
         width: int,
         context: PendingWrites | None = None,
-        forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperatures: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
+        forward: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The compiled drafting forward: ``(hidden, logits)`` with CUDA graphs (over the full block,
+        after an eager context write), ``(hidden, logits, draft_ids, candidate_ids, draft_probs)`` on
+        CPU (:class:`StaticProposer`; greedy walks without ``temperatures``), rows cut back to R."""
         forward = self._draft_forward if forward is None else forward
         assert forward is not None and self.draft_cache is not None and self.drafter is not None
+        if self._cuda:
+            if context is not None:
+                self.append_context(slots, context.starts, context.features, context.lengths)
+                context = None
+            width = self.block_size
         num_rows, device = len(slots), self.device
         padded_rows = _bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
         max_start = int(starts.max())
@@ -859,7 +927,7 @@ class ModelRunner:
             inputs = [anchors, positions, read_slots]
             self._mark_dynamic(inputs, keys, width_inputs=[positions])
             if self._cuda:
-                hidden, logits = forward(*inputs, keys)
+                outputs = forward(*inputs, keys)
             else:
                 # At least two context tokens per row (padding writes the scratch slot), so that one graph
                 # per row class serves every step (a width of 1 would be a graph of its own).
@@ -868,10 +936,14 @@ class ModelRunner:
                     context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
                 writes = self._context_inputs(slots, context, min_width=2)
                 self._mark_dynamic(writes, width_inputs=writes)
-                hidden, logits = forward(*writes, *inputs, keys)
+                if temperatures is None or uniforms is None:
+                    temperatures, uniforms = torch.zeros(num_rows), torch.zeros(num_rows, self.block_size - 1)
+                sampling = [_graph_input(temperatures.float()), _graph_input(uniforms.float())]
+                self._mark_dynamic(sampling)
+                outputs = forward(*writes, *inputs, keys, *sampling)
         if context is not None:
             self._roll_context(slots, context.starts, context.lengths)
-        return hidden[:num_rows], logits[:num_rows]
+        return tuple(t[:num_rows] for t in outputs)
 
     def propose(
         self,
@@ -882,48 +954,15 @@ class ModelRunner:
         uniforms: torch.Tensor,
     ) -> Proposal:
         """The drafted path of each row from the drafter's block (:meth:`draft`): top-k candidates,
-        the DFlash 2 lattice (unless ``use_selector`` is off) and the walk — compiled on CPU,
-        else :meth:`DFlashDrafter.propose`.
-
-        The compiled walk always covers B − 1 slots (its loop is unrolled): narrower blocks are
-        padded with zero logits after their last slot, which the walk reaches only after every real
-        one, and the result is cut back to J.
+        the DFlash 2 lattice (unless ``use_selector`` is off) and the walk, eagerly
+        (:meth:`DFlashDrafter.propose`); :meth:`draft_proposal` runs it compiled with the drafter.
 
         Args:
             hidden: ``[R, J, H]``; logits: ``[R, J, V or Vd]`` float32; anchor_ids: ``[R]``;
             temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
         """
         assert self.drafter is not None
-        if self._select_forward is None:
-            return self.drafter.propose(hidden, logits, anchor_ids, temperatures, uniforms, self.use_selector)
-        return Proposal(*self._select_call(hidden, logits, anchor_ids, temperatures, uniforms))
-
-    def _select_call(
-        self,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        temperatures: torch.Tensor,
-        uniforms: torch.Tensor,
-        forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        forward = self._select_forward if forward is None else forward
-        assert forward is not None
-        with _compiled_mode():
-            # The dtypes the graphs were built for (a graph checks its guards once, not on every call).
-            assert self.drafter is not None
-            num_slots, pad = hidden.shape[1], self.block_size - 1 - hidden.shape[1]
-            typed = (
-                F.pad(hidden.to(self.drafter.dtype), (0, 0, 0, pad)),
-                F.pad(logits.float(), (0, 0, 0, pad)),
-                anchor_ids.long(),
-                temperatures.float(),
-                F.pad(uniforms.float(), (0, pad)),
-            )
-            inputs = [_graph_input(t) for t in typed]
-            self._mark_dynamic(inputs)
-            draft_ids, candidate_ids, draft_probs = forward(*inputs)
-        return draft_ids[:, :num_slots], candidate_ids[:, :num_slots], draft_probs[:, :num_slots]
+        return self.drafter.propose(hidden, logits, anchor_ids, temperatures, uniforms, self.use_selector)
 
     def append_context(
         self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
@@ -986,15 +1025,14 @@ class ModelRunner:
         self,
         row_counts: Sequence[int],
         widths: Sequence[int],
-        select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
         repeats: int = 3,
         context: int = 0,
     ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
-        drafter, its block at each (rows, width ≥ 2) (median of ``repeats`` after one warm-up call),
-        plus ``select(hidden [R, J, H], logits [R, J, V], anchors [R])`` on its outputs when given (the
-        step's choice of the drafted path). Every row sits after ``context`` tokens (clamped to the
-        slot), so attention reads as many keys as a request that far in would.
+        drafter, a greedy step's proposal at each (rows, width ≥ 2) — its block and the choice of the
+        drafted path, :meth:`draft_proposal` — (median of ``repeats`` after one warm-up call). Every
+        row sits after ``context`` tokens (clamped to the slot), so attention reads as many keys as a
+        request that far in would.
 
         Returns:
             ``({(rows, width): verify seconds}, {(rows, width): draft seconds})`` (the second empty
@@ -1022,11 +1060,13 @@ class ModelRunner:
                     continue
                 anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
                 lengths = torch.full_like(anchors, max(context, 1))
+                temperatures = torch.zeros(rows, device=self.device)
+                uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
                 for width in (w for w in widths if w > 1):
-                    draft[(rows, width)] = timed(functools.partial(self.draft, slots, anchors, lengths, width))
-                    if select is not None:
-                        hidden, logits = self.draft(slots, anchors, lengths, width)
-                        draft[(rows, width)] += timed(functools.partial(select, hidden, logits, anchors))
+                    call = functools.partial(
+                        self.draft_proposal, slots, anchors, lengths, temperatures, uniforms, width
+                    )
+                    draft[(rows, width)] = timed(call)
         return verify, draft
 
     def rollback(self, slot: int, length: int) -> None:

@@ -110,20 +110,30 @@ def draft_path(
     num_candidates: int,
     draft_vocab: torch.Tensor | None,
     weights: SelectorWeights | None,
+    num_slots: int | None = None,
 ) -> Proposal:
     """The drafted path of each row (spec §4): top-k candidates per slot, mapped to token ids,
     the lattice when there are selector weights, then the walk.
 
     Args:
         hidden: ``[R, J, H]`` final-normed draft hidden states; logits: ``[R, J, V or Vd]`` their
-            unary logits; anchor_ids: ``[R]``; temperatures: ``[R]``; uniforms: ``[R, J]``.
+            unary logits; anchor_ids: ``[R]``; temperatures: ``[R]``; uniforms: ``[R, S]``.
         num_candidates: k.
         draft_vocab: ``[Vd]`` sorted token ids of a draft vocabulary (the logits index it), or None.
         weights: the selector tensors, or None to walk the unary scores alone.
+        num_slots: S ≥ J, the slots to walk (default J). Slots from J on are padding with zero
+            scores and candidate id 0: the walk reaches them only after every real slot, so the
+            first J slots of the result do not depend on S (a compiled walk is unrolled over a
+            fixed S while J varies).
     """
     candidate_ids, unary = topk_candidates(logits, num_candidates)
     if draft_vocab is not None:
         candidate_ids = draft_vocab[candidate_ids]
+    if num_slots is not None:  # unconditionally: a compiled caller's J is symbolic
+        pad = num_slots - logits.shape[1]
+        candidate_ids = torch.nn.functional.pad(candidate_ids, (0, 0, 0, pad))
+        unary = torch.nn.functional.pad(unary, (0, 0, 0, pad))
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
     lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
     return walk(candidate_ids, unary, lattice, temperatures, uniforms)
 

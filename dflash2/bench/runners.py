@@ -16,7 +16,7 @@ import torch
 
 from dflash2.config import EngineConfig
 from dflash2.engine import LLM, Engine, default_drafter_path
-from dflash2.request import Request, StepResult, StepStats
+from dflash2.request import StepResult, StepStats
 from dflash2.sampling import SamplingParams
 
 
@@ -33,6 +33,8 @@ class GenerationSample:
         num_decode_steps: engine steps without a prefill (the cost split is over these).
         draft_time, select_time, verify_time, decode_time: seconds summed over those steps
             (``decode_time`` is their whole ``StepStats.total_time``).
+        select_in_draft: some step chose its drafted path inside the drafting forward (compiled on
+            CPU): the selector's time is then part of ``draft_time``.
     """
 
     num_prompt_tokens: int = 0
@@ -46,6 +48,7 @@ class GenerationSample:
     num_decode_steps: int = 0
     draft_time: float = 0.0
     select_time: float = 0.0
+    select_in_draft: bool = False
     verify_time: float = 0.0
     decode_time: float = 0.0
 
@@ -71,6 +74,7 @@ class GenerationSample:
             self.num_decode_steps += 1
             self.draft_time += stats.draft_time
             self.select_time += stats.select_time
+            self.select_in_draft = self.select_in_draft or stats.select_in_draft
             self.verify_time += stats.verify_time
             self.decode_time += stats.total_time
 
@@ -91,23 +95,9 @@ class CudaTimedEngine(Engine):
     anyway). On CPU the plain ``Engine`` is used.
     """
 
-    def _draft(
-        self, rows: list[Request], anchors: torch.Tensor, width: int, stats: StepStats
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super()._draft(rows, anchors, width, stats)
-        start = time.perf_counter()
+    def _phase_end(self) -> float:
         synchronize(self.device)
-        stats.draft_time += time.perf_counter() - start
-        return out
-
-    def _select(
-        self, rows: list[Request], anchors: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, stats: StepStats
-    ) -> Any:
-        out = super()._select(rows, anchors, hidden, logits, stats)
-        start = time.perf_counter()
-        synchronize(self.device)
-        stats.select_time += time.perf_counter() - start
-        return out
+        return time.perf_counter()
 
 
 class EngineRunner:

@@ -62,6 +62,7 @@ class SpeedRow:
     acceptance_per_position: list[float] = field(default_factory=list)
     draft_ms: float | None = None
     select_ms: float | None = None
+    select_in_draft: bool = False  # the selector ran inside the drafting graph: its time is in draft_ms
     verify_ms: float | None = None
     other_ms: float | None = None
     speedups: dict[str, float | None] = field(default_factory=dict)
@@ -137,6 +138,7 @@ def _speculative(row: SpeedRow, samples: list[GenerationSample]) -> None:
         )
         total = sum(s.decode_time for s in samples)
         row.draft_ms, row.select_ms, row.verify_ms = (x / decode_steps * 1e3 for x in (draft, select, verify))
+        row.select_in_draft = any(s.select_in_draft for s in samples)
         row.other_ms = max(total - draft - select - verify, 0.0) / decode_steps * 1e3
 
 
@@ -196,7 +198,8 @@ def add_speedups(rows: list[SpeedRow], baselines: Sequence[str] = BASELINES) -> 
 
 
 def overhead_share(row: SpeedRow, conv_overhead_ms: float | None) -> float | None:
-    """(select + convolution) ms as a fraction of the decode cycle: the DFlash 2 overhead headline."""
-    if row.select_ms is None:
+    """(select + convolution) ms as a fraction of the decode cycle: the DFlash 2 overhead headline (None
+    when the selector ran inside the drafting graph, where it is not timed apart)."""
+    if row.select_ms is None or row.select_in_draft:
         return None
     return row.share(row.select_ms + (conv_overhead_ms or 0.0))

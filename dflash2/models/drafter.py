@@ -24,6 +24,7 @@ from dflash2.models.layers import (
     RotaryEmbedding,
     apply_rope,
     attention,
+    fused_linear,
     prepack_linears,
     softcap,
 )
@@ -104,12 +105,31 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv: nn.Linear | None = None  # fused copies (fuse_projections)
+        self.kv: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace Q/K/V by two fused matrices, in place — ``qkv`` for the block, ``kv`` for the
+        context — so an inference copy runs one matrix product where it ran three (or two). The
+        separate projections, which checkpoints and training use, are dropped."""
+        self.qkv = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.kv = fused_linear([self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [R, L, H]`` → ``(k, v)`` each ``[R, nkv, L, d]`` (k normed and rotated)."""
-        num_rows, length, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(num_rows, length, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(num_rows, length, self.num_kv_heads, self.head_dim)
+        if self.kv is not None:
+            k, v = self.kv(x).split(self.num_kv_heads * self.head_dim, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        return self._rotated_key_value(k, v, cos, sin)
+
+    def _rotated_key_value(
+        self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_rows, length, _ = k.shape
+        k = self.k_norm(k.view(num_rows, length, self.num_kv_heads, self.head_dim))
+        v = v.view(num_rows, length, self.num_kv_heads, self.head_dim)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def forward(
@@ -123,9 +143,14 @@ class DraftAttention(nn.Module):
     ) -> torch.Tensor:
         """Block ``x [R, B, H]`` attends to ``context_k/v [R, nkv, T, d]`` and itself; mask ``[R, 1, B, T+B]``."""
         num_rows, block, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(num_rows, block, self.num_heads, self.head_dim))
+        if self.qkv is not None:
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(num_rows, block, self.num_heads, self.head_dim))
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        k, v = self.key_value(x, cos, sin)
+        k, v = self._rotated_key_value(k, v, cos, sin)
         keys = torch.cat([context_k.to(k.dtype), k], dim=2)
         values = torch.cat([context_v.to(v.dtype), v], dim=2)
         return self.o_proj(attention(q, keys, values, mask))
@@ -140,7 +165,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.mlp = MLP(hidden, config.intermediate_size)
+        self.mlp: nn.Module = MLP(hidden, config.intermediate_size)
         self.attention_conv: DynamicConv | None = None
         self.mlp_conv: DynamicConv | None = None
         if config.has_conv:

@@ -190,6 +190,26 @@ def prepack_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return count
 
 
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs (new weight tensors:
+    an inference copy runs one larger matrix product instead of several).
+
+    Raises:
+        ValueError: when a part has no dense weight (a model already pre-packed for eager use).
+    """
+    if any(not isinstance(p, nn.Linear) for p in parts):
+        raise ValueError("the model's linear layers are already pre-packed: build the runner from dense weights")
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biases = [p.bias for p in parts]
+    has_bias = any(b is not None for b in biases)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        bias = [b.detach() if b is not None else weight.new_zeros(p.out_features) for p, b in zip(parts, biases)]
+        fused.bias = nn.Parameter(torch.cat(bias), requires_grad=False)
+    return fused
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
@@ -201,6 +221,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedMLP(nn.Module):
+    """An inference copy of an :class:`MLP` with the gate and up projections in one matrix."""
+
+    def __init__(self, mlp: MLP) -> None:
+        super().__init__()
+        self.intermediate_size = mlp.gate_proj.out_features
+        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj: nn.Module = mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):

@@ -126,3 +126,25 @@ def test_markdown_speed_table_shows_the_computed_speedups() -> None:
     assert cells[8] == "2000"  # peak RSS in MB
     markdown = render_markdown(results)
     assert "## Single stream" in markdown and "| AR | 0 | 11.0 |" in markdown
+
+
+def test_a_selector_inside_the_drafting_graph_is_reported_as_part_of_drafting() -> None:
+    """Compiled on CPU the walk runs in the drafting graph: the report says so instead of a 0 ms select
+    and leaves the overhead headline to the eager row, which times the selector apart."""
+    fused = _sample(9, 1.0, num_verify_steps=4, num_decode_steps=3, draft_time=0.03, verify_time=0.09)
+    fused.select_in_draft, fused.decode_time = True, 0.15
+    timed = _sample(9, 1.0, num_verify_steps=4, num_decode_steps=3, draft_time=0.03, select_time=0.006)
+    timed.verify_time, timed.decode_time = 0.09, 0.15
+    rows = summarize(
+        [RunRecord("dflash2-b8", 0.0, "math", 0, [fused]), RunRecord("dflash2-b8-eager", 0.0, "math", 0, [timed])],
+        ["dflash2-b8", "dflash2-b8-eager"],
+    )
+    compiled, eager = (
+        next(r for r in rows if r.method == m and r.scope == ALL) for m in ("dflash2-b8", "dflash2-b8-eager")
+    )
+    assert compiled.select_in_draft and overhead_share(compiled, conv_overhead_ms=None) is None
+    assert not eager.select_in_draft and overhead_share(eager, conv_overhead_ms=None) == pytest.approx(0.04)
+    markdown = render_markdown(_results(rows))
+    assert "| in draft |" in markdown
+    assert "DFLASH2-B8, T=0: the selector runs inside the compiled drafting graph" in markdown
+    assert "DFLASH2-B8-EAGER, T=0: selector + convolution overhead 4.0%" in markdown

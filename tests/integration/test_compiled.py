@@ -47,7 +47,7 @@ def compiled_spec(target):
     engine = compiled(tiny_engine(target, drafter, 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True))
     runner = engine.runner
     assert runner.compiled and runner._draft_forward is not None
-    assert runner._context_forward is not None and runner._select_forward is not None
+    assert runner._context_forward is not None and runner.draft_selects
     engine.threads = None
     torch.set_num_threads(threads)  # start-up may have settled on fewer (busy cores)
     return engine
@@ -71,16 +71,15 @@ def test_compiled_greedy_at_every_verify_width_equals_autoregressive(compiled_sp
     assert {s.verify_width for s in steps if s.num_decode_rows} == set(range(1, 9))
 
 
-def built_graphs(engine) -> tuple[int, tuple, tuple, tuple, tuple]:
-    """Dynamo's graph count and the shape classes of the runner's compiled forwards (target, drafter,
-    context append, selector)."""
+def built_graphs(engine) -> tuple[int, tuple, tuple, tuple]:
+    """Dynamo's graph count and the shape classes of the runner's compiled forwards (target, drafter
+    with the selector, context append)."""
     runner = engine.runner
     return (
         torch._dynamo.utils.counters["stats"]["unique_graphs"],
         runner._target_forward.shape_classes,
         runner._draft_forward.shape_classes,
         runner._context_forward.shape_classes,
-        runner._select_forward.shape_classes,
     )
 
 
@@ -89,7 +88,7 @@ def test_serving_never_recompiles(compiled_spec, reference):
     another thread (as the server's engine thread does), add none."""
     llm = LLM.from_engine(compiled_spec)
     graphs = built_graphs(compiled_spec)
-    assert [len(classes) for classes in graphs[1:]] == [4, 2, 4, 2]
+    assert [len(classes) for classes in graphs[1:]] == [4, 2, 4]
     outputs: list[list[list[int]]] = []
 
     def decode() -> None:
@@ -127,7 +126,7 @@ def test_a_restart_loads_the_saved_graphs(target, compiled_spec, reference):
         target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True
     )
     engine.threads = None
-    assert engine.runner.compiled and len(engine.runner.graph_sources) == 12
+    assert engine.runner.compiled and len(engine.runner.graph_sources) == 10
     assert set(engine.runner.graph_sources.values()) == {"loaded"}
     llm = LLM.from_engine(engine)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference
@@ -238,7 +237,7 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
     one token or none padded into the scratch slot, each slot's context length moved past its tokens."""
     eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
     fast: ModelRunner = compiled_spec.runner
-    assert fast._draft_writes_context and not eager._draft_writes_context
+    assert fast.draft_selects and not eager.draft_selects
     assert fast.drafter_compiled and not eager.drafter_compiled
     generator = torch.Generator().manual_seed(4)
     dim = fast.drafter.fc.in_features
@@ -270,22 +269,22 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_selector_matches_eager(compiled_spec, temperature):
-    """The compiled top-k, lattice and walk choose the eager path's drafts, with its proposal
-    probabilities, for batch 1 and batch 3 (their two graphs), on full blocks and on narrower ones
-    (padded to the graph's B − 1 slots, then cut back)."""
+    """The drafting graph's top-k, lattice and walk choose the eager selector's drafts for its own
+    block, with its proposal probabilities, for batch 1 and batch 3 (their two graphs), on full blocks
+    and on narrower ones (the walk is unrolled over B − 1 slots, then cut back)."""
     runner: ModelRunner = compiled_spec.runner
     drafter = runner.drafter
-    assert drafter is not None and drafter.selector_weights() is not None
+    assert drafter is not None and drafter.selector_weights() is not None and runner.draft_selects
     generator = torch.Generator().manual_seed(1)
     for rows, width in ((1, 8), (3, 8), (1, 2), (3, 5)):
         slots = [runner.scratch_slot] * rows
         anchors = torch.randint(0, 50, (rows,), generator=generator)
-        hidden, logits = runner.draft(slots, anchors, torch.full((rows,), 5), width)
-        logits = logits + 4 * torch.randn(logits.shape, generator=generator)  # spread the scores
+        starts = torch.full((rows,), 5)
         temperatures = torch.full((rows,), temperature)
-        uniforms = torch.rand(rows, width - 1, generator=generator)
-        expected = drafter.propose(hidden, logits, anchors, temperatures, uniforms, use_selector=True)
-        got = runner.propose(hidden, logits, anchors, temperatures, uniforms)
+        uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
+        hidden, logits = runner.draft(slots, anchors, starts, width)
+        expected = drafter.propose(hidden, logits, anchors, temperatures, uniforms[:, : width - 1], use_selector=True)
+        got = runner.draft_proposal(slots, anchors, starts, temperatures, uniforms, width)
         assert got.draft_ids.shape == (rows, width - 1)
         assert torch.equal(got.draft_ids, expected.draft_ids)
         assert torch.equal(got.candidate_ids, expected.candidate_ids)
