@@ -186,3 +186,32 @@ def test_dequantize_gguf_keeps_metadata_and_values(tmp_path: Path, dtype_name: s
     assert written.shape == (8, 64)
     np.testing.assert_allclose(written, expected, rtol=1e-2, atol=1e-2)
     assert tensors["norm"].tensor_type == gguf.GGMLQuantizationType.F32  # norms stay float32
+
+
+def test_workers_load_one_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each worker is started only once the one before is ready: a loading engine times its step costs
+    (adaptive speculation), and another worker loading beside it would skew that table."""
+    from dflash2.bench import single_stream
+    from dflash2.bench.config import BenchConfig
+    from dflash2.bench.workload import Workload
+
+    events: list[str] = []
+
+    class FakeHandle:
+        def __init__(self, name: str, spec: dict, log_path: Path) -> None:
+            self.name = name
+
+        def start(self) -> None:
+            events.append(f"start {self.name}")
+
+        def wait_ready(self, timeout: float) -> dict:
+            events.append(f"ready {self.name}")
+            return {"load_seconds": 1.0, "info": {}}
+
+    monkeypatch.setattr(single_stream, "WorkerHandle", FakeHandle)
+    config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(4,))
+    session = single_stream._Session(config, Workload(tmp_path, [], 64), progress=lambda _: None)
+    session.start([0], tmp_path)
+    names = [m.id for m in config.method_specs()]
+    assert len(names) >= 2
+    assert events == [e for name in names for e in (f"start {name}", f"ready {name}")]
