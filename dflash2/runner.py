@@ -1034,39 +1034,43 @@ class ModelRunner:
         row sits after ``context`` tokens (clamped to the slot), so attention reads as many keys as a
         request that far in would.
 
+        The calls are interleaved: each round times every (rows, width) once, so a stretch of load
+        from another process slows one sample of many shapes rather than every sample of one (a
+        table whose widths were timed one after another under such load verified 5–8 tokens per step
+        where 4 paid most, for good: live steps rescale every drafted width by one factor).
+
         Returns:
             ``({(rows, width): verify seconds}, {(rows, width): draft seconds})`` (the second empty
             without a drafter).
         """
-
-        def timed(call: Callable[[], object]) -> float:
-            call()
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - start)
-            return sorted(samples)[len(samples) // 2]
-
-        verify: dict[tuple[int, int], float] = {}
-        draft: dict[tuple[int, int], float] = {}
+        calls: dict[tuple[str, int, int], Callable[[], object]] = {}
         context = max(0, min(context, self.max_model_len - max(widths, default=1)))
+        for rows in row_counts:
+            slots, starts = [self.scratch_slot] * rows, [context] * rows
+            for width in widths:
+                calls[("verify", rows, width)] = functools.partial(self.verify, slots, [[0] * width] * rows, starts)
+            if self.draft_cache is None:
+                continue
+            anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
+            lengths = torch.full_like(anchors, max(context, 1))
+            temperatures = torch.zeros(rows, device=self.device)
+            uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
+            for width in (w for w in widths if w > 1):
+                calls[("draft", rows, width)] = functools.partial(
+                    self.draft_proposal, slots, anchors, lengths, temperatures, uniforms, width
+                )
+        samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in calls}
         with torch.inference_mode():
-            for rows in row_counts:
-                slots, starts = [self.scratch_slot] * rows, [context] * rows
-                for width in widths:
-                    verify[(rows, width)] = timed(functools.partial(self.verify, slots, [[0] * width] * rows, starts))
-                if self.draft_cache is None:
-                    continue
-                anchors = torch.zeros(rows, dtype=torch.long, device=self.device)
-                lengths = torch.full_like(anchors, max(context, 1))
-                temperatures = torch.zeros(rows, device=self.device)
-                uniforms = torch.zeros(rows, self.block_size - 1, device=self.device)
-                for width in (w for w in widths if w > 1):
-                    call = functools.partial(
-                        self.draft_proposal, slots, anchors, lengths, temperatures, uniforms, width
-                    )
-                    draft[(rows, width)] = timed(call)
+            for call in calls.values():  # warm-up
+                call()
+            for _ in range(repeats):
+                for key, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    samples[key].append(time.perf_counter() - start)
+        medians = {key: sorted(times)[len(times) // 2] for key, times in samples.items()}
+        verify = {(rows, width): t for (kind, rows, width), t in medians.items() if kind == "verify"}
+        draft = {(rows, width): t for (kind, rows, width), t in medians.items() if kind == "draft"}
         return verify, draft
 
     def rollback(self, slot: int, length: int) -> None:

@@ -94,3 +94,20 @@ def test_a_seeded_sampled_request_keeps_the_full_block_and_its_text():
     assert width == 8  # the whole batch verifies full blocks while the seeded request runs
     assert first_width([free] * 4)[0] == 1  # without it, this compute-bound batch would not draft
     assert mixed[1].token_ids == LLM.from_engine(fixed).generate(PROMPTS[1], seeded)[0].token_ids
+
+
+def test_start_up_costs_are_timed_in_interleaved_rounds(monkeypatch):
+    """Each round times every (rows, width) once, so a stretch of load from another process touches one
+    sample of many shapes, not every sample of one shape (which skewed the table's shape across widths)."""
+    adaptive, _, _ = engines()
+    runner = adaptive.runner
+    order: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(runner, "verify", lambda slots, rows, starts: order.append(("v", len(slots), len(rows[0]))))
+    monkeypatch.setattr(runner, "draft_proposal", lambda slots, *args: order.append(("d", len(slots), args[-1])))
+    verify, draft = runner.measure_costs([1, 2], [1, 2, 4], repeats=3)
+    assert set(verify) == {(r, w) for r in (1, 2) for w in (1, 2, 4)}
+    assert set(draft) == {(r, w) for r in (1, 2) for w in (2, 4)}
+    one_round = len(verify) + len(draft)
+    assert len(order) == 4 * one_round  # a warm-up round, then three timed rounds
+    rounds = [order[i * one_round : (i + 1) * one_round] for i in range(4)]
+    assert all(r == rounds[0] for r in rounds) and len(set(rounds[0])) == one_round
