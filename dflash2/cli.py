@@ -203,7 +203,13 @@ def _eval(args: argparse.Namespace) -> int:
     if drafter_path is None:
         print("error: dflash2 eval needs --drafter for a model other than the embedded default", file=sys.stderr)
         return 2
-    drafter = loader.load_drafter(Path(drafter_path), target, _offline_dtype(engine_config), engine_config.torch_device)
+    drafter = loader.load_drafter(
+        Path(drafter_path),
+        target,
+        _offline_dtype(engine_config),
+        engine_config.torch_device,
+        engine_config.speculative_draft_vocab_size,
+    )
     eos = loader.eos_token_ids(folder, tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     sets = evaluate.load_prompt_sets(args.data, args.num_prompts)

@@ -26,6 +26,9 @@ class EngineConfig:
         block_size: tokens per verify block, anchor included; 1 = autoregressive decoding;
             None = the drafter's trained block size.
         use_selector: walk the DFlash 2 selector lattice (False: per-slot unary scores only).
+        speculative_draft_vocab_size: draft over only this many of the drafter's most frequent
+            tokens (``DFlashDrafter.limit_draft_vocab``; FR-Spec); None = the drafter's own draft
+            vocabulary (or the full one). Output is unchanged; speed and acceptance are not.
         max_num_seqs: rows decoded together (KV slots).
         max_model_len: longest prompt + output per request (KV positions per slot); None = the
             model's limit (``max_position_embeddings``), lowered while the KV caches would not
@@ -54,6 +57,7 @@ class EngineConfig:
     drafter: str | None = None
     block_size: int | None = None
     use_selector: bool = True
+    speculative_draft_vocab_size: int | None = None
     max_num_seqs: int = 8
     max_model_len: int | None = None
     device: str = "auto"
@@ -69,6 +73,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
             raise ValueError("block_size must be in [1, 64]")
+        if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
+            raise ValueError("speculative_draft_vocab_size must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:

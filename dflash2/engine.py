@@ -161,9 +161,13 @@ class Engine:
         drafter_path = resolve_drafter_path(config)
         if config.block_size != 1:
             if drafter_path is not None:
-                drafter = loader.load_drafter(Path(drafter_path), target, dtype, device)
+                drafter = loader.load_drafter(
+                    Path(drafter_path), target, dtype, device, config.speculative_draft_vocab_size
+                )
             elif config.model is None:
                 drafter = untrained_default_drafter(target, dtype, device)
+                if config.speculative_draft_vocab_size is not None:
+                    drafter.limit_draft_vocab(config.speculative_draft_vocab_size)
         name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
         return cls(config, target, tokenizer, drafter, loader.eos_token_ids(folder, tokenizer), name)
 

@@ -36,9 +36,10 @@ _DECODING_FLAGS = (
     "deterministic",
     "adaptive_threads",
 )
+_DRAFTER_FLAGS = ("drafter", "block_size", "use_selector", "speculative_draft_vocab_size")
 UNUSED_ENGINE_FLAGS = {
-    "data": ("drafter", "block_size", "use_selector", "seed", "enable_prefix_caching", "speculative_adaptive"),
-    "train": ("drafter", "block_size", "use_selector", "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
+    "data": (*_DRAFTER_FLAGS, "seed", "enable_prefix_caching", "speculative_adaptive"),
+    "train": (*_DRAFTER_FLAGS, "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
     "eval": ("block_size", "max_model_len", *_DECODING_FLAGS),
 }
 
@@ -71,6 +72,14 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         dest="use_selector",
         action="store_false",
         help="draft with unary scores only (DFlash 2 selector off)",
+    )
+    g.add_argument(
+        "--speculative-draft-vocab-size",
+        type=int,
+        default=_DEFAULTS.speculative_draft_vocab_size,
+        metavar="N",
+        help="draft over only the drafter's N most frequent tokens (a smaller draft LM head: faster drafting "
+        "on CPUs; output unchanged; default: the drafter's own draft vocabulary)",
     )
     g.add_argument(
         "--max-num-seqs",

@@ -236,6 +236,7 @@ class BenchConfig:
             drafter=e.drafter,
             block_size=block_size,
             use_selector=use_selector,
+            speculative_draft_vocab_size=e.speculative_draft_vocab_size,
             max_num_seqs=max_num_seqs,
             max_model_len=e.max_model_len,
             device=e.device,

@@ -241,6 +241,9 @@ class DFlashDrafter(nn.Module):
         # Draft vocabulary (FR-Spec): sorted token ids the LM head is restricted to; None = all.
         self.draft_vocab: torch.Tensor | None
         self.register_buffer("draft_vocab", None, persistent=False)
+        # How often each draft-vocabulary token occurred in the training responses (aligned with
+        # draft_vocab), when known: what limit_draft_vocab ranks by.
+        self.draft_vocab_counts: torch.Tensor | None = None
         self._draft_head: torch.Tensor | None = None
         self._prepacked = False
         self._packed_draft_head: PackedLinear | None = None
@@ -265,7 +268,7 @@ class DFlashDrafter(nn.Module):
         self._target = (embed_weight, lm_head_weight)
         self._refresh_draft_head()
 
-    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+    def set_draft_vocab(self, token_ids: torch.Tensor | None, counts: torch.Tensor | None = None) -> None:
         """Restrict the drafter's LM head to ``token_ids`` (a draft vocabulary), or lift it (None).
 
         The unary logits then cover only these tokens, which cuts the LM-head cost of drafting
@@ -274,23 +277,68 @@ class DFlashDrafter(nn.Module):
 
         Args:
             token_ids: ``[Vd]`` distinct int64 token ids (stored sorted), or None.
+            counts: ``[Vd]`` non-negative occurrence counts aligned with ``token_ids`` (how often
+                each token appeared in the training responses), or None when unknown; kept for
+                :meth:`limit_draft_vocab`.
 
         Raises:
-            ValueError: on ids outside ``[0, vocab_size)``, duplicates, or fewer ids than top-k.
+            ValueError: on ids outside ``[0, vocab_size)``, duplicates, fewer ids than top-k, or
+                counts of another length or with negative values.
         """
         if token_ids is None:
             self.draft_vocab = None
+            self.draft_vocab_counts = None
             self._draft_head = None
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        order = ids.argsort()
+        ids = ids[order]
         if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size})")
         if bool((ids[1:] == ids[:-1]).any()):
             raise ValueError("draft vocabulary ids must be distinct")
         if len(ids) < max(self.config.selector_top_k, 1):
             raise ValueError("the draft vocabulary is smaller than the selector's top-k")
+        if counts is not None:
+            counts = torch.as_tensor(counts, dtype=torch.long).flatten()
+            if counts.shape != ids.shape or bool((counts < 0).any()):
+                raise ValueError("draft vocabulary counts must be one non-negative count per token id")
+            counts = counts[order]
         self.draft_vocab = ids.to(self.device)
+        self.draft_vocab_counts = counts
         self._refresh_draft_head()
+
+    def limit_draft_vocab(self, size: int) -> None:
+        """Keep only the ``size`` most frequent tokens of the draft vocabulary (FR-Spec's knob,
+        applied when serving: no retraining, since the draft LM head is rows of the target's).
+
+        Tokens are ranked by :attr:`draft_vocab_counts` when known (ties and unknown counts: lower
+        ids first, a BPE vocabulary's merge order being a proxy for frequency); a drafter without a
+        draft vocabulary ranks the whole vocabulary by id. On a CPU the draft LM head is read from
+        memory once per drafted step, so a smaller one drafts faster; tokens left out can no
+        longer be drafted, and the acceptance length falls once the frequent ones are cut.
+
+        Args:
+            size: tokens to keep; at least the selector's top-k. A size at or above the current
+                draft vocabulary's keeps it unchanged.
+
+        Raises:
+            ValueError: when ``size`` is below the selector's top-k (or 1).
+        """
+        current = self.config.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+        if size < max(self.config.selector_top_k, 1):
+            raise ValueError(
+                f"a draft vocabulary of {size} tokens is smaller than the drafter's top-k "
+                f"({self.config.selector_top_k})"
+            )
+        if size >= current:
+            return
+        ids = torch.arange(current) if self.draft_vocab is None else self.draft_vocab.cpu()
+        counts = self.draft_vocab_counts
+        # Stable sort on -count: equal (or unknown) counts keep ascending id order.
+        ranked = torch.arange(current) if counts is None else (-counts).argsort(stable=True)
+        keep = ranked[:size]
+        self.set_draft_vocab(ids[keep], None if counts is None else counts[keep])
 
     def _refresh_draft_head(self) -> None:
         self._packed_draft_head = None

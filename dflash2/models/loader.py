@@ -117,15 +117,24 @@ def eos_token_ids(folder: Path, tokenizer: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def load_drafter(folder: Path, target: Target, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+def load_drafter(
+    folder: Path, target: Target, dtype: torch.dtype, device: torch.device, draft_vocab_size: int | None = None
+) -> DFlashDrafter:
     """Load a drafter and bind it to the target's embedding and LM head.
 
+    Args:
+        draft_vocab_size: keep only this many of the draft vocabulary's most frequent tokens
+            (:meth:`DFlashDrafter.limit_draft_vocab`); None = the drafter's own.
+
     Raises:
-        ModelLoadError: missing files, a vocabulary or hidden-size mismatch with the target, or
-            target_layer_ids outside the target's layers.
+        ModelLoadError: missing files, a vocabulary or hidden-size mismatch with the target,
+            target_layer_ids outside the target's layers, or a ``draft_vocab_size`` below the
+            drafter's top-k.
     """
     try:
         drafter = read_drafter(folder, dtype=dtype, device=device)
+        if draft_vocab_size is not None:
+            drafter.limit_draft_vocab(draft_vocab_size)
     except (FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"cannot load drafter from {folder}: {exc}") from exc
     check_drafter_matches(drafter, target)
@@ -168,8 +177,8 @@ _KEY_ALIASES = (
 
 def save_drafter(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the published layout (spec §1), plus
-    ``draft_vocab.json`` when the drafter has a draft vocabulary (other loaders ignore it and
-    draft over the full vocabulary).
+    ``draft_vocab.json`` when the drafter has a draft vocabulary (``token_ids``, sorted, and their
+    training ``counts`` when known; other loaders ignore the file and draft over the full vocabulary).
 
     Raises:
         RuntimeError: for a pre-packed drafter, which has no dense linear weights.
@@ -183,7 +192,10 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype 
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     vocab_file = folder / DRAFT_VOCAB_FILE
     if drafter.draft_vocab is not None:
-        vocab_file.write_text(json.dumps({"token_ids": drafter.draft_vocab.tolist()}) + "\n")
+        entry: dict[str, list[int]] = {"token_ids": drafter.draft_vocab.tolist()}
+        if drafter.draft_vocab_counts is not None:
+            entry["counts"] = drafter.draft_vocab_counts.tolist()
+        vocab_file.write_text(json.dumps(entry) + "\n")
     elif vocab_file.exists():
         vocab_file.unlink()
 
@@ -209,7 +221,9 @@ def read_drafter(folder: str | Path, dtype: torch.dtype, device: torch.device | 
     drafter = DFlashDrafter(config)
     load_drafter_weights(drafter, state)
     if (folder / DRAFT_VOCAB_FILE).is_file():
-        drafter.set_draft_vocab(torch.tensor(json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_ids"]))
+        entry = json.loads((folder / DRAFT_VOCAB_FILE).read_text())
+        counts = entry.get("counts")
+        drafter.set_draft_vocab(torch.tensor(entry["token_ids"]), None if counts is None else torch.tensor(counts))
     return drafter.to(device=device, dtype=dtype)  # RoPE frequencies stay float32 (not a buffer)
 
 

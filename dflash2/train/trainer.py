@@ -97,21 +97,32 @@ class TrainConfig:
 RESUMABLE_CHANGES = {"steps", "time_budget", "checkpoint_every", "eval_every"}
 
 
-def draft_vocabulary(dataset: TokenDataset, indices: list[int], vocab_size: int, size: int) -> torch.Tensor:
+def response_token_counts(dataset: TokenDataset, indices: list[int], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs among the response (loss-mask) tokens of the conversations
+    ``indices``: ``[vocab_size]`` int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        ids, mask = dataset.sequence(i)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocabulary(
+    dataset: TokenDataset, indices: list[int], vocab_size: int, size: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """A frequency-ranked draft vocabulary of ``size`` token ids (FR-Spec, Zhao et al. 2025).
 
     Tokens are ranked by their count among the response (loss-mask) tokens of the conversations
-    ``indices``; the rest of the budget goes to the lowest unseen ids, since a BPE vocabulary
-    is ordered by merge rank, a proxy for frequency in the tokenizer's own corpus.
+    ``indices`` (or by ``counts [vocab_size]`` when given, :func:`response_token_counts`); the rest
+    of the budget goes to the lowest unseen ids, since a BPE vocabulary is ordered by merge rank,
+    a proxy for frequency in the tokenizer's own corpus.
 
     Returns:
         ``[min(size, vocab_size)]`` int64 token ids, sorted.
     """
     size = min(size, vocab_size)
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in indices:
-        ids, mask = dataset.sequence(i)
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    if counts is None:
+        counts = response_token_counts(dataset, indices, vocab_size)
     seen = int((counts > 0).sum())
     ranked = counts.argsort(descending=True, stable=True)[: min(seen, size)]
     chosen = torch.zeros(vocab_size, dtype=torch.bool)
@@ -200,7 +211,9 @@ class Trainer:
         self.drafter.bind_target(*target.embedding_weights())
         vocab_size = self.drafter.config.vocab_size
         if 0 < config.draft_vocab_size < vocab_size:
-            self.drafter.set_draft_vocab(draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size))
+            counts = response_token_counts(dataset, self.train_ids, vocab_size)
+            ids = draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size, counts)
+            self.drafter.set_draft_vocab(ids, counts[ids])
         if config.init_drafter:
             self._init_from_drafter(Path(config.init_drafter))
         self.optimizer = torch.optim.AdamW(
@@ -223,7 +236,7 @@ class Trainer:
             raise ValueError(f"{folder} was trained with another drafter shape than this run's settings")
         self.drafter.load_state_dict(source.state_dict())
         if source.draft_vocab is not None:
-            self.drafter.set_draft_vocab(source.draft_vocab)
+            self.drafter.set_draft_vocab(source.draft_vocab, source.draft_vocab_counts)
         logger.info("initialised the drafter from %s", folder)
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -73,3 +73,14 @@ def test_draft_vocabulary_matches_autoregressive(target, reference, version):
     drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
     llm = LLM.from_engine(tiny_engine(target, drafter, 8))
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_a_limited_draft_vocabulary_matches_autoregressive(target, reference):
+    # Cut to its 12 most frequent tokens (--speculative-draft-vocab-size): drafts change, output does not.
+    drafter = tiny_drafter(target, 2, 8)
+    ids = torch.arange(0, target.config.vocab_size, 2)
+    drafter.set_draft_vocab(ids, torch.randint(0, 100, ids.shape, generator=torch.Generator().manual_seed(0)))
+    drafter.limit_draft_vocab(12)
+    assert len(drafter.draft_vocab) == 12
+    llm = LLM.from_engine(tiny_engine(target, drafter, 8))
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference

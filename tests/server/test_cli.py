@@ -37,12 +37,16 @@ def test_dflash2_serve_and_python_m_server_take_the_same_flags():
 
 def test_flags_build_the_settings():
     argv = ["serve", "--port", "9001", "--api-key", "k", "--metrics-compat", "vllm", "--max-concurrency", "3",
-            "--served-model-name", "m", "--max-num-seqs", "4", "--max-model-len", "256"]  # fmt: skip
+            "--served-model-name", "m", "--max-num-seqs", "4", "--max-model-len", "256",
+            "--speculative-draft-vocab-size", "2048"]  # fmt: skip
     args = dflash2_parser().parse_args(argv)
     settings = settings_from_args(args, engine_config_from_args(args))
     assert (settings.port, settings.api_key, settings.metrics_compat) == (9001, "k", "vllm")
     assert (settings.max_concurrency, settings.served_model_name) == (3, "m")
     assert (settings.engine.max_num_seqs, settings.engine.max_model_len) == (4, 256)
+    assert settings.engine.speculative_draft_vocab_size == 2048
+    with pytest.raises(ValueError, match="speculative_draft_vocab_size"):
+        engine_config_from_args(dflash2_parser().parse_args(["serve", "--speculative-draft-vocab-size", "0"]))
     defaults = settings_from_args(server_parser().parse_args([]), engine_config_from_args(args))
     assert (defaults.host, defaults.port, defaults.api_key) == ("127.0.0.1", 8000, None)
     with pytest.raises(SystemExit):
@@ -118,6 +122,7 @@ def test_training_commands_offer_only_the_engine_flags_they_use(capsys):
         ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--drafter", "x"],  # --init-drafter
         ["data", "--out", "d", "--block-size", "4"],
         ["eval", "--out", "o", "--sets", "heldot"],
+        ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--speculative-draft-vocab-size", "64"],
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)

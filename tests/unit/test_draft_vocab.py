@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.models.loader import DRAFT_VOCAB_FILE, read_drafter, save_drafter
+from dflash2.models.loader import DRAFT_VOCAB_FILE, ModelLoadError, load_drafter, read_drafter, save_drafter
 from dflash2.train.blocks import block_losses, make_blocks
 from dflash2.train.data import TokenDataset
-from dflash2.train.trainer import draft_vocabulary
+from dflash2.train.trainer import draft_vocabulary, response_token_counts
 from tests.tiny import tiny_drafter, tiny_target
 
 
@@ -54,6 +54,57 @@ def test_draft_vocabulary_survives_save_and_load(target, tmp_path):
     assert not (tmp_path / DRAFT_VOCAB_FILE).exists()
 
 
+def test_limiting_keeps_the_most_frequent_tokens(target):
+    drafter = tiny_drafter(target)  # top-k 8
+    ids = torch.tensor([40, 3, 17, 90, 5, 66, 12, 8, 70, 21, 33, 50])
+    counts = torch.tensor([5, 50, 7, 7, 1, 90, 0, 3, 30, 2, 60, 3])
+    drafter.set_draft_vocab(ids, counts)
+    # Sorted ids 3 5 8 12 17 21 33 40 50 66 70 90, their counts aligned.
+    assert drafter.draft_vocab_counts.tolist() == [50, 1, 3, 0, 7, 2, 60, 5, 3, 90, 30, 7]
+    hidden = torch.randn(2, 3, 64)
+    full = drafter.logits(hidden)
+    drafter.limit_draft_vocab(8)
+    # 66 33 3 70 17 90 40, then the tie at 3 between 8 and 50 goes to the lower id.
+    assert drafter.draft_vocab.tolist() == [3, 8, 17, 33, 40, 66, 70, 90]
+    assert drafter.draft_vocab_counts.tolist() == [50, 3, 7, 60, 5, 90, 30, 7]
+    kept = torch.tensor([0, 2, 4, 6, 7, 9, 10, 11])  # their positions among the sorted twelve
+    assert torch.allclose(drafter.logits(hidden), full[..., kept], atol=1e-6)
+    drafter.limit_draft_vocab(50)  # at or above the current size: unchanged
+    assert len(drafter.draft_vocab) == 8
+    with pytest.raises(ValueError, match="top-k"):
+        drafter.limit_draft_vocab(7)
+
+
+def test_limiting_without_counts_keeps_the_lowest_ids(target):
+    drafter = tiny_drafter(target)
+    drafter.limit_draft_vocab(12)  # no draft vocabulary: the whole vocabulary, ranked by id
+    assert drafter.draft_vocab.tolist() == list(range(12)) and drafter.draft_vocab_counts is None
+    drafter.set_draft_vocab(torch.tensor([90, 80, 70, 60, 50, 40, 30, 20, 10, 5]))
+    drafter.limit_draft_vocab(8)
+    assert drafter.draft_vocab.tolist() == [5, 10, 20, 30, 40, 50, 60, 70]
+
+
+@pytest.mark.parametrize("counts", [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, -1]])
+def test_counts_must_match_the_ids(target, counts):
+    with pytest.raises(ValueError, match="counts"):
+        tiny_drafter(target).set_draft_vocab(torch.arange(9), torch.tensor(counts))
+
+
+def test_counts_survive_save_and_load_and_the_loader_limits(target, tmp_path):
+    drafter = tiny_drafter(target)
+    ids, counts = torch.arange(10, 50), torch.arange(40).flip(0)  # lower ids are more frequent
+    drafter.set_draft_vocab(ids, counts)
+    save_drafter(drafter, tmp_path)
+    loaded = read_drafter(tmp_path, torch.float32, "cpu")
+    assert torch.equal(loaded.draft_vocab, ids) and torch.equal(loaded.draft_vocab_counts, counts)
+    limited = load_drafter(tmp_path, target, torch.float32, torch.device("cpu"), draft_vocab_size=16)
+    assert limited.draft_vocab.tolist() == list(range(10, 26))
+    hidden = torch.randn(1, 4, 64)
+    assert torch.allclose(limited.logits(hidden), drafter.logits(hidden)[..., :16], atol=1e-6)
+    with pytest.raises(ModelLoadError, match="top-k"):
+        load_drafter(tmp_path, target, torch.float32, torch.device("cpu"), draft_vocab_size=2)
+
+
 def test_draft_vocabulary_ranks_response_tokens_then_fills_lowest_ids():
     tokens = torch.tensor([50, 7, 7, 9, 9, 9, 60, 61], dtype=torch.int32)
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1], dtype=torch.uint8)  # 50 and 60 are prompt tokens
@@ -61,6 +112,9 @@ def test_draft_vocabulary_ranks_response_tokens_then_fills_lowest_ids():
     assert draft_vocabulary(dataset, [0], 96, 2).tolist() == [7, 9]  # the two most frequent
     assert draft_vocabulary(dataset, [0], 96, 5).tolist() == [0, 1, 7, 9, 61]  # seen tokens, then lowest ids
     assert len(draft_vocabulary(dataset, [0], 96, 500)) == 96
+    counts = response_token_counts(dataset, [0], 96)
+    assert (counts[7], counts[9], counts[61], counts[50], int(counts.sum())) == (2, 3, 1, 0, 6)
+    assert draft_vocabulary(dataset, [0], 96, 5, counts).tolist() == [0, 1, 7, 9, 61]
 
 
 def test_loss_over_a_full_draft_vocabulary_equals_the_plain_loss(target):
