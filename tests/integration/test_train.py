@@ -13,7 +13,7 @@ from dflash2.models.loader import read_drafter
 from dflash2.train.data import TokenDataset
 from dflash2.train.evaluate import chained_teacher_forced, teacher_forced
 from dflash2.train.features import extract_features
-from dflash2.train.trainer import TrainConfig, Trainer
+from dflash2.train.trainer import TrainConfig, Trainer, response_token_counts
 from tests.tiny import tiny_engine, tiny_target
 
 
@@ -72,6 +72,9 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path, 
     assert (drafter.draft_vocab is None) == (draft_vocab_size == 0)
     if draft_vocab_size:
         assert len(drafter.draft_vocab) == draft_vocab_size
+        # Exported with each token's count in the training responses: what the engine ranks by.
+        counts = response_token_counts(dataset, trainer.train_ids, target.config.vocab_size)
+        assert torch.equal(drafter.draft_vocab_counts, counts[drafter.draft_vocab])
     prompts = [dataset.sequence(i)[0][:4].tolist() for i in dataset.indices(heldout=True)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ar = LLM.from_engine(tiny_engine(target, None)).generate(prompts, params)
