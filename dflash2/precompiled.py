@@ -178,6 +178,7 @@ def _module_key(module: nn.Module, settings: str) -> str:
         f"python={sys.version_info[:3]}",
         f"isa={pick_vec_isa()}",
         f"freezing={inductor_config.freezing} dynamic_threads={inductor_config.cpp.dynamic_threads}",
+        f"asserts={inductor_config.size_asserts},{inductor_config.alignment_asserts},{inductor_config.scalar_asserts}",
         f"settings={settings}",
         f"sources={_sources_digest()}",
     ]
