@@ -74,7 +74,7 @@ class EngineConfig:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
             raise ValueError("block_size must be in [1, 64]")
         if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
-            raise ValueError("speculative_draft_vocab_size must be at least 1")
+            raise ValueError("speculative_draft_vocab_size (--speculative-draft-vocab-size) must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:

@@ -134,7 +134,15 @@ def load_drafter(
     try:
         drafter = read_drafter(folder, dtype=dtype, device=device)
         if draft_vocab_size is not None:
+            own = drafter.config.vocab_size if drafter.draft_vocab is None else len(drafter.draft_vocab)
             drafter.limit_draft_vocab(draft_vocab_size)
+            kept = drafter.config.vocab_size if drafter.draft_vocab is None else len(drafter.draft_vocab)
+            logger.info(
+                "drafting over the %d most frequent of the drafter's %d draft-vocabulary tokens%s",
+                kept,
+                own,
+                "" if kept < own else f" (--speculative-draft-vocab-size {draft_vocab_size} keeps them all)",
+            )
     except (FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"cannot load drafter from {folder}: {exc}") from exc
     check_drafter_matches(drafter, target)

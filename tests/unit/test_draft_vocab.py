@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -90,14 +92,16 @@ def test_counts_must_match_the_ids(target, counts):
         tiny_drafter(target).set_draft_vocab(torch.arange(9), torch.tensor(counts))
 
 
-def test_counts_survive_save_and_load_and_the_loader_limits(target, tmp_path):
+def test_counts_survive_save_and_load_and_the_loader_limits(target, tmp_path, caplog):
     drafter = tiny_drafter(target)
     ids, counts = torch.arange(10, 50), torch.arange(40).flip(0)  # lower ids are more frequent
     drafter.set_draft_vocab(ids, counts)
     save_drafter(drafter, tmp_path)
     loaded = read_drafter(tmp_path, torch.float32, "cpu")
     assert torch.equal(loaded.draft_vocab, ids) and torch.equal(loaded.draft_vocab_counts, counts)
-    limited = load_drafter(tmp_path, target, torch.float32, torch.device("cpu"), draft_vocab_size=16)
+    with caplog.at_level(logging.INFO, logger="dflash2.models.loader"):
+        limited = load_drafter(tmp_path, target, torch.float32, torch.device("cpu"), draft_vocab_size=16)
+    assert "drafting over the 16 most frequent of the drafter's 40 draft-vocabulary tokens" in caplog.text
     assert limited.draft_vocab.tolist() == list(range(10, 26))
     hidden = torch.randn(1, 4, 64)
     assert torch.allclose(limited.logits(hidden), drafter.logits(hidden)[..., :16], atol=1e-6)
