@@ -7,9 +7,13 @@ import threading
 import pytest
 import torch
 
+import dflash2.config
+import dflash2.engine
+import dflash2.runner
 from dflash2.models import layers
 from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, onednn_bf16
 from dflash2.selector import SelectorWeights, lattice_scores
+from tests.tiny import tiny_target
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
@@ -111,3 +115,14 @@ def test_lattice_scores_row_by_row_equal_the_batched_scores():
         row = lattice_scores(hidden[3:4], anchors[3:4], candidates[3:4], unary[3:4], weights)
     assert torch.allclose(invariant, batched, atol=1e-5)
     assert torch.equal(invariant[3:4], row)
+
+
+def test_refused_on_the_avx2_kernel_with_the_reason(monkeypatch):
+    # bfloat16 on a CPU without AVX512-BF16 / AMX runs on the project's kernel: say so, not "runs bfloat16".
+    monkeypatch.setattr(dflash2.runner, "onednn_bf16", lambda device, dtype: False)
+    target = tiny_target("qwen3", seed=0).to(torch.bfloat16)
+    config = dflash2.config.EngineConfig(
+        block_size=1, max_num_seqs=1, max_model_len=64, device="cpu", dtype="bfloat16", deterministic=True
+    )
+    with pytest.raises(ValueError, match="this CPU has neither, so bfloat16 runs on the project's AVX2 kernel"):
+        dflash2.engine.Engine(config, target, None, None)
