@@ -1122,12 +1122,11 @@ def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -
     if device.type != "cpu":
         raise ValueError(f"--deterministic runs on CPU only for now, not on {device.type}")
     if not onednn_bf16(device, dtype):
-        name = str(dtype).removeprefix("torch.")
         reason = (
             "this CPU has neither, so bfloat16 runs on the project's AVX2 kernel (or PyTorch's generic code), "
             "which this mode does not support"
             if dtype == torch.bfloat16
-            else f"this engine runs {name}"
+            else f"this engine runs {str(dtype).removeprefix('torch.')}"
         )
         raise ValueError(
             f"--deterministic needs --dtype bfloat16 on a CPU where oneDNN runs bfloat16 (AVX512-BF16 or AMX); {reason}"

@@ -308,6 +308,11 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab_counts = counts
         self._refresh_draft_head()
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the drafter's LM head covers: the draft vocabulary's, else the whole vocabulary's."""
+        return self.config.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
     def limit_draft_vocab(self, size: int) -> None:
         """Keep only the ``size`` most frequent tokens of the draft vocabulary (FR-Spec's knob,
         applied when serving: no retraining, since the draft LM head is rows of the target's).
@@ -325,7 +330,7 @@ class DFlashDrafter(nn.Module):
         Raises:
             ValueError: when ``size`` is below the selector's top-k (or 1).
         """
-        current = self.config.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+        current = self.draft_vocab_size
         if size < max(self.config.selector_top_k, 1):
             raise ValueError(
                 f"a draft vocabulary of {size} tokens is smaller than the drafter's top-k "

@@ -134,9 +134,9 @@ def load_drafter(
     try:
         drafter = read_drafter(folder, dtype=dtype, device=device)
         if draft_vocab_size is not None:
-            own = drafter.config.vocab_size if drafter.draft_vocab is None else len(drafter.draft_vocab)
+            own = drafter.draft_vocab_size
             drafter.limit_draft_vocab(draft_vocab_size)
-            kept = drafter.config.vocab_size if drafter.draft_vocab is None else len(drafter.draft_vocab)
+            kept = drafter.draft_vocab_size
             logger.info(
                 "drafting over the %d most frequent of the drafter's %d draft-vocabulary tokens%s",
                 kept,

@@ -107,22 +107,18 @@ def response_token_counts(dataset: TokenDataset, indices: list[int], vocab_size:
     return counts
 
 
-def draft_vocabulary(
-    dataset: TokenDataset, indices: list[int], vocab_size: int, size: int, counts: torch.Tensor | None = None
-) -> torch.Tensor:
+def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
     """A frequency-ranked draft vocabulary of ``size`` token ids (FR-Spec, Zhao et al. 2025).
 
-    Tokens are ranked by their count among the response (loss-mask) tokens of the conversations
-    ``indices`` (or by ``counts [vocab_size]`` when given, :func:`response_token_counts`); the rest
-    of the budget goes to the lowest unseen ids, since a BPE vocabulary is ordered by merge rank,
-    a proxy for frequency in the tokenizer's own corpus.
+    Tokens are ranked by ``counts [V]`` (:func:`response_token_counts`: their count among the
+    training responses); the rest of the budget goes to the lowest unseen ids, since a BPE
+    vocabulary is ordered by merge rank, a proxy for frequency in the tokenizer's own corpus.
 
     Returns:
-        ``[min(size, vocab_size)]`` int64 token ids, sorted.
+        ``[min(size, V)]`` int64 token ids, sorted.
     """
+    vocab_size = len(counts)
     size = min(size, vocab_size)
-    if counts is None:
-        counts = response_token_counts(dataset, indices, vocab_size)
     seen = int((counts > 0).sum())
     ranked = counts.argsort(descending=True, stable=True)[: min(seen, size)]
     chosen = torch.zeros(vocab_size, dtype=torch.bool)
@@ -212,7 +208,7 @@ class Trainer:
         vocab_size = self.drafter.config.vocab_size
         if 0 < config.draft_vocab_size < vocab_size:
             counts = response_token_counts(dataset, self.train_ids, vocab_size)
-            ids = draft_vocabulary(dataset, self.train_ids, vocab_size, config.draft_vocab_size, counts)
+            ids = draft_vocabulary(counts, config.draft_vocab_size)
             self.drafter.set_draft_vocab(ids, counts[ids])
         if config.init_drafter:
             self._init_from_drafter(Path(config.init_drafter))

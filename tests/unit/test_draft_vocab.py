@@ -113,12 +113,11 @@ def test_draft_vocabulary_ranks_response_tokens_then_fills_lowest_ids():
     tokens = torch.tensor([50, 7, 7, 9, 9, 9, 60, 61], dtype=torch.int32)
     mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 1], dtype=torch.uint8)  # 50 and 60 are prompt tokens
     dataset = TokenDataset(tokens, mask, torch.tensor([0, 8]), torch.tensor([False]))
-    assert draft_vocabulary(dataset, [0], 96, 2).tolist() == [7, 9]  # the two most frequent
-    assert draft_vocabulary(dataset, [0], 96, 5).tolist() == [0, 1, 7, 9, 61]  # seen tokens, then lowest ids
-    assert len(draft_vocabulary(dataset, [0], 96, 500)) == 96
     counts = response_token_counts(dataset, [0], 96)
     assert (counts[7], counts[9], counts[61], counts[50], int(counts.sum())) == (2, 3, 1, 0, 6)
-    assert draft_vocabulary(dataset, [0], 96, 5, counts).tolist() == [0, 1, 7, 9, 61]
+    assert draft_vocabulary(counts, 2).tolist() == [7, 9]  # the two most frequent
+    assert draft_vocabulary(counts, 5).tolist() == [0, 1, 7, 9, 61]  # seen tokens, then lowest ids
+    assert len(draft_vocabulary(counts, 500)) == 96
 
 
 def test_loss_over_a_full_draft_vocabulary_equals_the_plain_loss(target):
