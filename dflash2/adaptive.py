@@ -203,7 +203,12 @@ class CostModel:
             return verify
         return verify + self.draft.get((rows, width), math.inf) * self._draft_factor(rows)
 
-    def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
+    def verify_seconds(self, rows: int, width: int) -> float:
+        """Predicted seconds of a step whose ``width − 1`` drafts need no drafter forward (prompt
+        lookup, ``dflash2/prompt_lookup.py``): the verify forward alone, at drafted steps' factor."""
+        return self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
+
+    def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
         """Fold one step's measured timings into the factors of its row count (a factor learned for
         the first time starts from the value it borrowed; each timing is clipped to ``COST_CLIP``× the
         factor, so one slow step moves it little).
@@ -213,12 +218,16 @@ class CostModel:
         acceptance: otherwise factors inflated by a few slow drafted steps would stop drafting, and no
         drafted step would ever come to correct them (seen at batch 1: drafter factor 1.74 and
         drafted-verify factor 1.39 against 0.89 for autoregressive steps, and no drafting in 712 steps).
+        ``draft_seconds`` None: a step whose drafts came from prompt lookup (no drafter forward), which
+        teaches only the drafted verify factor.
         """
         drafted = width > 1
         self.verify_scale[(rows, drafted)] = _learned(
             self._verify_factor(rows, drafted), verify_seconds, self.verify.get((rows, width), 0.0)
         )
         if drafted:
+            if draft_seconds is None:  # prompt lookup: a verify forward with drafts, no drafter
+                return
             base = self.draft.get((rows, width), 0.0)
             self.draft_scale[rows] = _learned(self._draft_factor(rows), draft_seconds, base)
             return
@@ -337,3 +346,25 @@ def choose_width(
         rates[width] = tokens[width] / cost if cost > 0 else math.inf
     best = max(rates, key=lambda w: (rates[w], -w))
     return WidthChoice(best, tokens[best], rates)
+
+
+def choose_lookup_width(
+    acceptance: Sequence[Sequence[float]],
+    limits: Sequence[int],
+    widths: Sequence[int],
+    verify_seconds: Callable[[int, int], float],
+) -> WidthChoice:
+    """The best width for a step whose drafts come from prompt lookup (``dflash2/prompt_lookup.py``):
+    :func:`choose_width` over widths ≥ 2 with the verify forward's cost alone (no drafter forward).
+
+    Args:
+        acceptance: per row, the conditional acceptance per position of its lookup drafts.
+        limits: per row, the most drafts it may verify: its limit and the length of its lookup draft.
+        widths: candidate widths; verify_seconds: ``verify_seconds(R, W)``
+            (:meth:`CostModel.verify_seconds`).
+
+    Returns:
+        The choice; its ``rates[width]`` compares with :func:`choose_width`'s for the drafter.
+    """
+    drafted = [w for w in widths if w > 1]
+    return choose_width(acceptance, limits, drafted, verify_seconds, min_width=2)

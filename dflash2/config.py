@@ -14,6 +14,7 @@ from dflash2.models import cpu_kernels
 from dflash2.platform import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class EngineConfig:
         speculative_adaptive: choose each step's verify width (drafts per row, 0 … B−1) from live
             acceptance and the measured step cost (``dflash2/adaptive.py``); False: always the
             full block.
+        prompt_lookup_max, prompt_lookup_min: prompt lookup beside the drafter
+            (``dflash2/prompt_lookup.py``): a step may verify the tokens that followed the latest
+            earlier occurrence of a row's last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens
+            instead of running the drafter, when the adaptive policy predicts more tokens per second
+            from it. Needs adaptive speculation and a drafter. ``prompt_lookup_max`` None = on (4)
+            where the engine speculates adaptively (at least ``prompt_lookup_min``), else off; 0 = off.
         deterministic: batch-invariant forwards (``dflash2.models.layers.batch_invariant``): a
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
@@ -68,6 +75,8 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     speculative_adaptive: bool = True
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int = 2
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -75,6 +84,21 @@ class EngineConfig:
             raise ValueError("block_size must be in [1, 64]")
         if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
             raise ValueError("speculative_draft_vocab_size (--speculative-draft-vocab-size) must be at least 1")
+        if self.prompt_lookup_max is not None and self.prompt_lookup_max < 0:
+            raise ValueError("prompt_lookup_max (--prompt-lookup-max) must be 0 (off) or at least 1")
+        if self.prompt_lookup_min < 1:
+            raise ValueError("prompt_lookup_min (--prompt-lookup-min) must be at least 1")
+        if self.prompt_lookup_max and self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+        if self.prompt_lookup_max and not self.speculative_adaptive:
+            raise ValueError(
+                "prompt lookup (--prompt-lookup-max) needs adaptive speculation: the policy chooses between "
+                "lookup and the drafter from measured step costs (drop --no-speculative-adaptive or pass "
+                "--prompt-lookup-max 0)"
+            )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:

@@ -22,13 +22,21 @@ from typing import Any
 
 import torch
 
-from dflash2.adaptive import AcceptanceEstimate, AcceptanceTracker, CostModel, choose_width
-from dflash2.config import EngineConfig
+from dflash2.adaptive import (
+    AcceptanceEstimate,
+    AcceptanceTracker,
+    CostModel,
+    WidthChoice,
+    choose_lookup_width,
+    choose_width,
+)
+from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.models.layers import batch_invariant
 from dflash2.prefix_cache import PrefixCache
+from dflash2.prompt_lookup import PromptLookup
 from dflash2.request import (
     FinishReason,
     Request,
@@ -79,6 +87,7 @@ class _Verified:
     num_drafts: list[int]
     num_accepted: list[int]
     next_ids: list[int]
+    lookup: bool = False  # the drafts came from prompt lookup, not the drafter
 
 
 class Engine:
@@ -131,6 +140,8 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_seqs)
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
         self.acceptance = AcceptanceTracker(self.block_size - 1)
+        self.prompt_lookup_max = self._resolve_prompt_lookup()
+        self.lookup_acceptance = AcceptanceTracker(self.block_size - 1)
         self.prefix_cache = PrefixCache(
             config.max_num_seqs, enabled=config.enable_prefix_caching and self.runner.supports_prefix_copy
         )
@@ -185,6 +196,20 @@ class Engine:
                 self.drafter.config.block_size,
             )
         return self.config.block_size
+
+    def _resolve_prompt_lookup(self) -> int:
+        """The longest n-gram prompt lookup matches (0: off): on by default where the engine
+        speculates adaptively; asked for explicitly without a drafter, a ``ValueError``."""
+        wanted = self.config.prompt_lookup_max
+        if wanted is None:
+            wanted = max(DEFAULT_PROMPT_LOOKUP_MAX, self.config.prompt_lookup_min)
+            return wanted if self.cost_model is not None else 0
+        if wanted and self.cost_model is None:
+            raise ValueError(
+                "prompt lookup (--prompt-lookup-max) runs beside a drafter: this engine does not speculate "
+                "(block size 1 or no drafter); pass --prompt-lookup-max 0"
+            )
+        return wanted
 
     def _default_max_model_len(self) -> int:
         """The model's own context limit (``max_position_embeddings``), halved while the KV caches of
@@ -322,6 +347,9 @@ class Engine:
             matcher=matcher,
             acceptance=AcceptanceEstimate(list(self.acceptance.values)) if self.cost_model else None,
         )
+        if self.prompt_lookup_max:
+            request.lookup = PromptLookup(self.config.prompt_lookup_min, self.prompt_lookup_max)
+            request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
         with self._lock:
             self._inbox.append(("add", request))
         return request_id
@@ -569,10 +597,18 @@ class Engine:
         """Draft, select and verify every row's block (the autoregressive step at block size 1, or
         when the adaptive policy chooses width 1)."""
         limits = self._num_drafts(rows)
-        width = self._choose_width(rows, limits, stats)
+        choice = self._choose_width(rows, limits)
+        lookup = self._lookup_proposal(rows, limits, choice)
+        if lookup is not None:
+            choice, proposal, limits = lookup
+            stats.num_lookup_drafts += sum(1 for limit in limits if limit)
+        width = self.block_size if choice is None else choice.width
+        stats.predicted_tokens += 0.0 if choice is None else choice.predicted_tokens
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
-        if self.is_speculative and width > 1:
+        if lookup is not None:
+            pass  # drafts copied from the rows' own tokens: no drafter forward
+        elif self.is_speculative and width > 1:
             # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
             # cost: it is due whenever the rows draft next, and charging it here would make each draft
             # after a pause look dearer, so the policy would pause longer. One step's worth is written
@@ -582,6 +618,7 @@ class Engine:
         else:
             proposal = self._no_proposal(len(rows))
         verified = self._verify(rows, proposal, num_drafts, stats)
+        verified.lookup = lookup is not None
         stats.verify_width, stats.draft_lengths = max(num_drafts) + 1, num_drafts
         # A step at a probed thread count is not what the cost table describes.
         if self.cost_model is not None and not (self.threads is not None and self.threads.probing):
@@ -589,25 +626,54 @@ class Engine:
                 len(rows),
                 max(num_drafts) + 1,
                 stats.verify_time - verify_before,
-                stats.draft_time + stats.select_time - draft_before,
+                None if verified.lookup else stats.draft_time + stats.select_time - draft_before,
             )
         return verified
 
-    def _choose_width(self, rows: list[Request], limits: list[int], stats: StepStats) -> int:
-        """The verify width of this step: the block, or the adaptive policy's choice. A seeded sampled
-        request keeps the full block, so its text does not depend on what else is running."""
+    def _choose_width(self, rows: list[Request], limits: list[int]) -> WidthChoice | None:
+        """The adaptive policy's choice of this step's verify width with the drafter (None: the full
+        block, without the policy). A seeded sampled request keeps the full block, so its text does
+        not depend on what else is running."""
         if self.cost_model is None or not self.is_speculative:
-            return self.block_size
-        seeded = any(not r.params.is_greedy and r.params.seed is not None for r in rows)
-        choice = choose_width(
+            return None
+        return choose_width(
             [r.acceptance.values for r in rows],
             limits,
             self.cost_model.widths,
             self.cost_model.seconds,
-            min_width=self.block_size if seeded else 1,
+            min_width=self.block_size if _seeded(rows) else 1,
         )
-        stats.predicted_tokens += choice.predicted_tokens
-        return choice.width
+
+    def _lookup_proposal(
+        self, rows: list[Request], limits: list[int], choice: WidthChoice | None
+    ) -> tuple[WidthChoice, Proposal, list[int]] | None:
+        """This step's prompt-lookup drafts (``dflash2/prompt_lookup.py``) when every row that may draft
+        has one and the adaptive policy predicts more tokens per second from verifying them, with no drafter
+        forward, than from its ``choice`` with the drafter: ``(choice, proposal, limits)``, the
+        limits cut to each row's lookup draft; its proposal is one-hot on the copied tokens. None
+        otherwise, when prompt lookup is off, and for a seeded sampled row (its text must not
+        depend on timings)."""
+        if not self.prompt_lookup_max or self.cost_model is None or choice is None or _seeded(rows):
+            return None
+        drafts = []
+        for request, limit in zip(rows, limits):
+            request.lookup.sync(request.prompt_ids, request.output_ids)
+            drafts.append(request.lookup.propose(limit))
+        if not all(d for d, limit in zip(drafts, limits) if limit):
+            return None
+        lookup_limits = [len(d) for d in drafts]
+        lookup = choose_lookup_width(
+            [r.lookup_acceptance.values for r in rows],
+            lookup_limits,
+            self.cost_model.widths,
+            self.cost_model.verify_seconds,
+        )
+        if not lookup.rates or lookup.rates[lookup.width] <= choice.rates.get(choice.width, 0.0):
+            return None
+        span = lookup.width - 1
+        draft_ids = torch.tensor([(d + [d[-1] if d else 0] * span)[:span] for d in drafts], device=self.device)
+        ones = torch.ones(len(rows), span, 1, device=self.device)
+        return lookup, Proposal(draft_ids, draft_ids[..., None], ones), lookup_limits
 
     # ---- draft + select -------------------------------------------------------------------------
 
@@ -704,15 +770,12 @@ class Engine:
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self._commit_tokens(request, emitted, logprob_rows, stats)
             self._count_acceptance(request, acc, len(committed), verified.num_drafts[i], stats)
-            if request.acceptance is not None:
-                if verified.num_drafts[i]:
-                    request.acceptance.observe(verified.num_drafts[i], acc)
-                    self.acceptance.observe(verified.num_drafts[i], acc)
-                else:
-                    request.acceptance.relax(self.acceptance.values)
+            self._observe_acceptance(request, verified.num_drafts[i], acc, verified.lookup)
             outputs.append(self._output(request, committed, text, logprobs))  # cumulative counts include this step
-        if self.cost_model is not None and not any(verified.num_drafts):
+        if self.cost_model is not None and (verified.lookup or not any(verified.num_drafts)):
             self.acceptance.idle_step()  # nothing observed: recover toward the long run (no lock-out)
+        if self.prompt_lookup_max and not verified.lookup:
+            self.lookup_acceptance.idle_step()
         if self.is_speculative and verified.features is not None:
             # The anchor's and accepted drafts' features become drafter context (spec §5.4), written
             # when the row drafts next (a step without drafts needs none) or when it ends.
@@ -727,6 +790,24 @@ class Engine:
                     request.pending_context.add(verified.starts[i], kept[i])
             self._write_context([r for r in rows if r.pending_context.num_tokens >= MAX_PENDING_CONTEXT])
         return outputs
+
+    def _observe_acceptance(self, request: Request, num_drafts: int, num_accepted: int, lookup: bool) -> None:
+        """Fold a row's verify outcome into the adaptive policy's estimates of the source that drafted
+        it (the drafter or prompt lookup); the other source's estimates relax toward the engine-wide
+        ones, so a row that stopped using a source tries it again later."""
+        if request.acceptance is None:
+            return
+        observed, idle = (request.lookup_acceptance, request.acceptance) if lookup else (request.acceptance, None)
+        tracker = self.lookup_acceptance if lookup else self.acceptance
+        if num_drafts:
+            observed.observe(num_drafts, num_accepted)
+            tracker.observe(num_drafts, num_accepted)
+        else:
+            observed.relax(tracker.values)
+        if idle is not None:
+            idle.relax(self.acceptance.values)
+        if request.lookup_acceptance is not None and not lookup:
+            request.lookup_acceptance.relax(self.lookup_acceptance.values)
 
     @staticmethod
     def _count_acceptance(request: Request, acc: int, num_committed: int, num_drafts: int, stats: StepStats) -> None:
@@ -878,6 +959,11 @@ class Engine:
     def _slot(request: Request) -> int:
         assert request.slot is not None
         return request.slot
+
+
+def _seeded(rows: Sequence[Request]) -> bool:
+    """True when a row samples with its own seed (its text must not depend on load or timings)."""
+    return any(not r.params.is_greedy and r.params.seed is not None for r in rows)
 
 
 def _committed_tokens(request: Request) -> list[int]:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from dflash2.config import DTYPES, EngineConfig
+from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
 
@@ -36,11 +36,19 @@ _DECODING_FLAGS = (
     "deterministic",
     "adaptive_threads",
 )
-_DRAFTER_FLAGS = ("drafter", "block_size", "use_selector", "speculative_draft_vocab_size")
+_DRAFTER_FLAGS = (
+    "drafter",
+    "block_size",
+    "use_selector",
+    "speculative_draft_vocab_size",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+)
 UNUSED_ENGINE_FLAGS = {
     "data": (*_DRAFTER_FLAGS, "seed", "enable_prefix_caching", "speculative_adaptive"),
     "train": (*_DRAFTER_FLAGS, "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
-    "eval": ("block_size", "max_model_len", *_DECODING_FLAGS),
+    # eval measures the drafter over full blocks: no adaptive policy, so no prompt lookup either.
+    "eval": ("block_size", "max_model_len", "prompt_lookup_max", "prompt_lookup_min", *_DECODING_FLAGS),
 }
 
 
@@ -114,6 +122,22 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         default=_DEFAULTS.speculative_adaptive,
         help="choose each step's drafts per row from live acceptance and the measured step cost "
         "(--no-speculative-adaptive: always the full block; default: on)",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=_DEFAULTS.prompt_lookup_max,
+        metavar="N",
+        help="prompt lookup beside the drafter: a step may verify the tokens that followed the latest earlier "
+        "occurrence of a row's last N … --prompt-lookup-min tokens instead of drafting, when the adaptive policy "
+        f"predicts it faster (default: {DEFAULT_PROMPT_LOOKUP_MAX} with adaptive speculation; 0: off)",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=_DEFAULTS.prompt_lookup_min,
+        metavar="N",
+        help="the shortest n-gram prompt lookup matches (default: %(default)s)",
     )
     g.add_argument(
         "--deterministic",

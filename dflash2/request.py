@@ -100,6 +100,8 @@ class Request:
     detokenizer: Any
     matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
     acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
+    lookup: Any = None  # dflash2.prompt_lookup.PromptLookup over its tokens (prompt lookup on)
+    lookup_acceptance: Any = None  # AcceptanceEstimate of its prompt-lookup drafts
     pending_context: PendingContext = field(default_factory=PendingContext)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -196,6 +198,8 @@ class StepStats:
         grammar_time: seconds spent computing grammar masks (part of verify or prefill time).
         verify_width: tokens per row of the step's verify forward (1: no drafts; 0: no decode step).
         draft_lengths: per decode row, the drafts it verified (adaptive speculation chooses them).
+        num_lookup_drafts: decode rows whose drafts came from prompt lookup (no drafter forward;
+            ``dflash2/prompt_lookup.py``); their drafts count in the acceptance figures too.
         predicted_tokens: tokens the adaptive policy expected the decode rows to commit (0: fixed block).
         num_running, num_waiting: queue sizes after the step.
         kv_cache_usage: fraction (0–1) of target KV positions in use after the step.
@@ -222,6 +226,7 @@ class StepStats:
     grammar_time: float = 0.0
     verify_width: int = 0
     draft_lengths: list[int] = field(default_factory=list)
+    num_lookup_drafts: int = 0
     predicted_tokens: float = 0.0
     total_time: float = 0.0
     num_running: int = 0

@@ -44,6 +44,8 @@ class MethodSpec:
         enforce_eager: engine methods: run every forward eagerly (the ``-eager`` rows).
         adaptive: speculative engine methods: the adaptive policy chooses each step's verify width
             up to B (the engine's default; the ``-adaptive`` rows) instead of full blocks.
+        prompt_lookup: adaptive rows: prompt lookup beside the drafter (the engine's default;
+            ``dflash2/prompt_lookup.py``); the ``-adaptive-no-lookup`` row runs without it.
     """
 
     id: str
@@ -54,6 +56,7 @@ class MethodSpec:
     prompt_lookup_tokens: int = 0
     enforce_eager: bool = False
     adaptive: bool = False
+    prompt_lookup: bool = False
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -73,7 +76,8 @@ class MethodSpec:
             return f"DFlash, selector off (B={self.block_size})"
         if self.family == DFLASH2:
             if self.adaptive:
-                return f"DFlash 2, selector on (B≤{self.block_size}, adaptive)"
+                lookup = ", prompt lookup" if self.prompt_lookup else ""
+                return f"DFlash 2, selector on (B≤{self.block_size}, adaptive{lookup})"
             return f"DFlash 2, selector on (B={self.block_size})"
         if self.family == HF:
             return "transformers generate"
@@ -194,8 +198,11 @@ class BenchConfig:
                         MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
                     )
                     if family == DFLASH2 and self.adaptive_rows:
-                        spec = MethodSpec(f"{family}-b{b}-adaptive", family, ENGINE, block_size=b, adaptive=True)
-                        engine_specs.append(spec)
+                        adaptive = MethodSpec(f"{family}-b{b}-adaptive", family, ENGINE, block_size=b, adaptive=True)
+                        lookup = self.engine.prompt_lookup_max != 0  # the engine's default: on
+                        engine_specs.append(replace(adaptive, prompt_lookup=lookup))
+                        if lookup:  # its gain, visible in the same run
+                            engine_specs.append(replace(adaptive, id=f"{adaptive.id}-no-lookup"))
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:
@@ -224,12 +231,14 @@ class BenchConfig:
         max_num_seqs: int = 1,
         enforce_eager: bool | None = None,
         speculative_adaptive: bool = False,
+        prompt_lookup: bool = True,
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
         run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
         blocks (their rows are named by B) unless ``speculative_adaptive`` (the ``-adaptive``
         rows); the serving benchmark's speculative server runs the adaptive policy unless the
-        run says ``--no-speculative-adaptive``."""
+        run says ``--no-speculative-adaptive``. Prompt lookup follows the run's flags where the
+        policy runs and ``prompt_lookup`` holds, and is off otherwise."""
         e = self.engine
         return EngineConfig(
             model=e.model,
@@ -245,6 +254,8 @@ class BenchConfig:
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
             speculative_adaptive=speculative_adaptive,
+            prompt_lookup_max=e.prompt_lookup_max if speculative_adaptive and prompt_lookup else 0,
+            prompt_lookup_min=e.prompt_lookup_min,
             deterministic=e.deterministic,
             adaptive_threads=e.adaptive_threads,
         )

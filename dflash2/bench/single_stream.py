@@ -54,6 +54,7 @@ class MethodResult:
             "family": self.spec.family,
             "block_size": self.spec.block_size or None,
             "adaptive": self.spec.adaptive,
+            "prompt_lookup": self.spec.prompt_lookup,
             "status": self.status,
             "message": self.message,
             "info": self.info,
@@ -89,6 +90,7 @@ def worker_spec(
                 method.use_selector,
                 enforce_eager=method.enforce_eager,
                 speculative_adaptive=method.adaptive,
+                prompt_lookup=method.prompt_lookup,
             ).to_dict(),
         }
     if method.runner == TRANSFORMERS:

@@ -15,7 +15,7 @@ from dflash2.engine import Engine
 from tests.bench.conftest import TinyFolders
 from tests.live_server import ServerThread
 
-METHOD_IDS = ["ar", "dflash-b4", "dflash2-b4", "dflash2-b4-adaptive", "hf"]
+METHOD_IDS = ["ar", "dflash-b4", "dflash2-b4", "dflash2-b4-adaptive", "dflash2-b4-adaptive-no-lookup", "hf"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,9 @@ def test_every_method_ran_or_says_why_not(bench_run: tuple[int, Path]) -> None:
     assert methods["dflash2-b4"]["conv_probe"]["overhead_ms"] is not None
     assert methods["dflash2-b4"]["info"]["has_selector"] and not methods["dflash-b4"]["info"]["use_selector"]
     assert methods["dflash2-b4-adaptive"]["adaptive"] and not methods["dflash2-b4"]["adaptive"]
+    # The adaptive row runs the engine's default, prompt lookup on; its twin shows what lookup adds.
+    assert methods["dflash2-b4-adaptive"]["prompt_lookup"] and methods["dflash2-b4-adaptive-no-lookup"]["adaptive"]
+    assert not methods["dflash2-b4-adaptive-no-lookup"]["prompt_lookup"] and not methods["dflash2-b4"]["prompt_lookup"]
 
 
 def test_rows_and_speedups_come_from_the_measured_numbers(bench_run: tuple[int, Path]) -> None:
@@ -83,7 +86,7 @@ def test_rows_and_speedups_come_from_the_measured_numbers(bench_run: tuple[int, 
             assert row["tau"] >= 1.0 and len(row["acceptance_per_position"]) == 3
             assert row["cycle_ms"] > 0 and row["verify_ms"] > 0
             # The adaptive policy may verify without drafts on a tiny random model (a random drafter).
-            assert row["draft_ms"] > 0 or row["method"].endswith("-adaptive")
+            assert row["draft_ms"] > 0 or "-adaptive" in row["method"]
     records = results["single_stream"]["records"]
     assert len(records) == 2 * 2 * len(METHOD_IDS)  # 2 temperatures × 2 sets × methods, one repetition
     assert all(1 <= s["num_output_tokens"] <= 6 for r in records for s in r["samples"])
@@ -97,6 +100,7 @@ def test_markdown_has_the_expected_tables(bench_run: tuple[int, Path]) -> None:
         "dflash2 engine, autoregressive (B=1), eager",
         "DFlash, selector off (B=4), eager",
         "DFlash 2, selector on (B=4), eager",
+        "DFlash 2, selector on (B≤4, adaptive, prompt lookup), eager",
         "DFlash 2, selector on (B≤4, adaptive), eager",
         "transformers generate",
     ]:

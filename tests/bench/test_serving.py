@@ -121,6 +121,13 @@ def test_server_specs_follow_the_methods() -> None:
     assert "--enforce-eager" not in command
     eager = serve_command(BenchConfig(engine=EngineConfig(enforce_eager=True)), ServerSpec("ar", 1), 1234)
     assert "--enforce-eager" in eager
+    # Prompt lookup: the run's bounds go to the speculative server only (the engine's default unless given).
+    assert "--prompt-lookup-max" not in command and command[command.index("--prompt-lookup-min") + 1] == "2"
+    assert not any(flag.startswith("--prompt-lookup") for flag in eager)
+    lookup = BenchConfig(engine=EngineConfig(prompt_lookup_max=6, prompt_lookup_min=3))
+    command = serve_command(lookup, ServerSpec("dflash2-b8", 8), 1234)
+    assert command[command.index("--prompt-lookup-max") + 1] == "6"
+    assert command[command.index("--prompt-lookup-min") + 1] == "3"
 
 
 def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Path) -> None:
@@ -163,20 +170,31 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
         "dflash2-b8",
         "dflash2-b8-eager",
         "dflash2-b8-adaptive",
+        "dflash2-b8-adaptive-no-lookup",
         "dflash2-b16",
         "dflash2-b16-eager",
         "dflash2-b16-adaptive",
+        "dflash2-b16-adaptive-no-lookup",
     ]
     adaptive = specs["dflash2-b8-adaptive"]
-    assert adaptive.adaptive and adaptive.use_selector and adaptive.label == "DFlash 2, selector on (B≤8, adaptive)"
+    assert adaptive.adaptive and adaptive.use_selector and adaptive.prompt_lookup
+    assert adaptive.label == "DFlash 2, selector on (B≤8, adaptive, prompt lookup)"
+    assert specs["dflash2-b8-adaptive-no-lookup"].label == "DFlash 2, selector on (B≤8, adaptive)"
     workload = types.SimpleNamespace(folder=Path("unused"))
     engines = {
         id_: worker_spec(config, specs[id_], workload, [], None)["engine"]  # type: ignore[arg-type]
-        for id_ in ("dflash2-b8", "dflash2-b8-adaptive")
+        for id_ in ("dflash2-b8", "dflash2-b8-adaptive", "dflash2-b8-adaptive-no-lookup")
     }
     assert engines["dflash2-b8-adaptive"]["speculative_adaptive"] is True
     assert engines["dflash2-b8"]["speculative_adaptive"] is False
     assert engines["dflash2-b8-adaptive"]["block_size"] == 8
+    # The adaptive row keeps the engine's default (None: on); the others run without lookup.
+    assert engines["dflash2-b8-adaptive"]["prompt_lookup_max"] is None
+    assert engines["dflash2-b8-adaptive-no-lookup"]["prompt_lookup_max"] == 0
+    assert engines["dflash2-b8"]["prompt_lookup_max"] == 0
+    # A run without prompt lookup has one adaptive row per B.
+    off = BenchConfig(engine=EngineConfig(prompt_lookup_max=0), methods=("dflash2",), block_sizes=(8,), eager_rows=False)
+    assert [s.id for s in off.method_specs()] == ["dflash2-b8", "dflash2-b8-adaptive"]
     no_rows = BenchConfig(methods=("dflash2",), block_sizes=(8,), adaptive_rows=False, eager_rows=False)
     assert [s.id for s in no_rows.method_specs()] == ["dflash2-b8"]
 

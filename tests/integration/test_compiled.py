@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
+from dflash2.adaptive import WidthChoice
 from dflash2.precompiled import PrecompiledForward
 from dflash2.runner import ModelRunner, PendingWrites, key_length
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
@@ -63,12 +64,27 @@ def test_compiled_greedy_at_every_verify_width_equals_autoregressive(compiled_sp
     """Steps at every width 1 … B in turn (as adaptive speculation chooses them): the drafter's block
     and the selector follow the width, and the text stays the target's own."""
     widths = itertools.cycle([2, 5, 1, 8, 3, 4, 7, 6])
-    monkeypatch.setattr(compiled_spec, "_choose_width", lambda rows, limits, stats: next(widths))
+    monkeypatch.setattr(compiled_spec, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
     steps = []
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
     assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == reference[2]
     assert {s.verify_width for s in steps if s.num_decode_rows} == set(range(1, 9))
+
+
+def test_compiled_greedy_with_prompt_lookup_equals_autoregressive(compiled_spec, reference, monkeypatch):
+    """Prompt-lookup steps (the verify graph without a drafter forward) mixed with drafted and plain
+    steps, as the adaptive policy chooses them: the text stays the target's own."""
+    from tests.integration.test_prompt_lookup_engine import FixedCosts
+
+    monkeypatch.setattr(compiled_spec, "cost_model", FixedCosts(4, tuple(range(1, 9)), draft=0.002))
+    monkeypatch.setattr(compiled_spec, "prompt_lookup_max", 4)
+    steps = []
+    llm = LLM.from_engine(compiled_spec)
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
+    assert llm.generate(PROMPTS[2], GREEDY, on_step=lambda r: steps.append(r.stats))[0].token_ids == reference[2]
+    assert any(s.num_lookup_drafts for s in steps)
+    assert any(s.verify_width > 1 and not s.num_lookup_drafts for s in steps if s.num_decode_rows)
 
 
 def built_graphs(engine) -> tuple[int, tuple, tuple, tuple]:
@@ -300,7 +316,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(monkeypatch):
     engine = compiled(tiny_engine(target, drafter, 4, max_num_seqs=64, enforce_eager=False))
     assert engine.runner.compiled
     widths = itertools.cycle([3, 4, 2])
-    monkeypatch.setattr(engine, "_choose_width", lambda rows, limits, stats: next(widths))
+    monkeypatch.setattr(engine, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
     base = SAMPLING_CASES["temperature"]
     params = [SamplingParams(**{**base.__dict__, "seed": i}) for i in range(3000)]
     outputs = LLM.from_engine(engine).generate([PROMPT] * len(params), params)

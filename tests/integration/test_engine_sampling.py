@@ -19,19 +19,23 @@ PROMPT = [1, 5, 2]
 
 
 def _exact_joint(
-    target, params: SamplingParams, length: int, allowed: list[set[int]] | None = None
+    target,
+    params: SamplingParams,
+    length: int,
+    allowed: list[set[int]] | None = None,
+    prompt: list[int] = PROMPT,
 ) -> dict[tuple[int, ...], float]:
-    """P(t1..t_length) by enumerating every prefix through the target with the same processors;
-    ``allowed[i]``, when given, is the set of tokens a grammar allows at position i."""
+    """P(t1..t_length) after ``prompt`` by enumerating every prefix through the target with the same
+    processors; ``allowed[i]``, when given, is the set of tokens a grammar allows at position i."""
     joint: dict[tuple[int, ...], float] = {(): 1.0}
     for position in range(length):
         prefixes = list(joint)
         cache = KVCache(target.num_layers, len(prefixes), 2, 32, 16, torch.float32, "cpu")
         batch = ForwardBatch.build(
-            list(range(len(prefixes))), [PROMPT + list(p) for p in prefixes], [0] * len(prefixes), "cpu"
+            list(range(len(prefixes))), [prompt + list(p) for p in prefixes], [0] * len(prefixes), "cpu"
         )
         logits, _ = target.run(batch, cache, last_only=True)
-        ctx = LogitsContext([params] * len(prefixes), [PROMPT] * len(prefixes), [list(p) for p in prefixes], [])
+        ctx = LogitsContext([params] * len(prefixes), [prompt] * len(prefixes), [list(p) for p in prefixes], [])
         mask = None
         if allowed is not None:
             mask = torch.zeros(len(prefixes), 1, VOCAB, dtype=torch.bool)
