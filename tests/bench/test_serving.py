@@ -193,7 +193,8 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
     assert engines["dflash2-b8-adaptive-no-lookup"]["prompt_lookup_max"] == 0
     assert engines["dflash2-b8"]["prompt_lookup_max"] == 0
     # A run without prompt lookup has one adaptive row per B.
-    off = BenchConfig(engine=EngineConfig(prompt_lookup_max=0), methods=("dflash2",), block_sizes=(8,), eager_rows=False)
+    no_lookup = EngineConfig(prompt_lookup_max=0)
+    off = BenchConfig(engine=no_lookup, methods=("dflash2",), block_sizes=(8,), eager_rows=False)
     assert [s.id for s in off.method_specs()] == ["dflash2-b8", "dflash2-b8-adaptive"]
     no_rows = BenchConfig(methods=("dflash2",), block_sizes=(8,), adaptive_rows=False, eager_rows=False)
     assert [s.id for s in no_rows.method_specs()] == ["dflash2-b8"]
