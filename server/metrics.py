@@ -95,6 +95,9 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
     return (
         MetricSpec("spec_decode_num_drafts", "counter",
                    "Verify steps that checked at least one drafted token.", vllm_names=("spec_decode_num_drafts",)),
+        MetricSpec("spec_decode_num_lookup_drafts", "counter",
+                   "Verify steps (per row) whose drafts came from prompt lookup instead of the drafter; part of "
+                   "spec_decode_num_drafts."),
         MetricSpec("spec_decode_num_draft_tokens", "counter",
                    "Drafted tokens sent to verification.", vllm_names=("spec_decode_num_draft_tokens",)),
         MetricSpec("spec_decode_num_accepted_tokens", "counter",
@@ -252,6 +255,7 @@ class Metrics:
         """Counters, acceptance lengths, tokens per step and queue gauges from one engine step."""
         f = self.families
         f["spec_decode_num_drafts"].inc(stats.num_drafts)
+        f["spec_decode_num_lookup_drafts"].inc(stats.num_lookup_drafts)
         f["spec_decode_num_draft_tokens"].inc(stats.num_draft_tokens)
         f["spec_decode_num_accepted_tokens"].inc(stats.num_accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.anyio
 
 COUNTERS = [
     "spec_decode_num_drafts",
+    "spec_decode_num_lookup_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
@@ -104,6 +105,7 @@ async def test_every_metric_is_exported_with_model_name_and_moves_after_a_reques
 
     assert counter("spec_decode_num_drafts") == 2  # the fake verifies once per token after the first
     assert counter("spec_decode_num_draft_tokens") == 6
+    assert counter("spec_decode_num_lookup_drafts") == 0  # the fake drafts every step
     assert counter("spec_decode_num_accepted_tokens") == 0
     assert [counter("spec_decode_num_accepted_tokens_per_pos", position=str(p)) for p in range(3)] == [0, 0, 0]
     assert counter("prompt_tokens") == 5
