@@ -60,7 +60,8 @@ def main() -> None:
     for scope in [*([s] for s in sets), list(sets)]:
         label = scope[0] if len(scope) == 1 else "all"
         ar = ms_per_token("ar", scope)
-        cells = [f"{name} {ms_per_token(name, scope):.2f} ms ({ar / ms_per_token(name, scope):.2f}×)" for name in engines]
+        times = {name: ms_per_token(name, scope) for name in engines}
+        cells = [f"{name} {ms:.2f} ms ({ar / ms:.2f}×)" for name, ms in times.items()]
         print(f"{label:10s} " + " | ".join(cells))
 
 
