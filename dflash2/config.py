@@ -99,6 +99,11 @@ class EngineConfig:
                 "lookup and the drafter from measured step costs (drop --no-speculative-adaptive or pass "
                 "--prompt-lookup-max 0)"
             )
+        if self.prompt_lookup_max and self.block_size == 1:
+            raise ValueError(
+                "prompt lookup (--prompt-lookup-max) runs beside a drafter: block size 1 decodes without one "
+                "(pass --prompt-lookup-max 0)"
+            )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:

@@ -122,6 +122,7 @@ class Engine:
         self.vocab_size = int(embed_weight.shape[0])
         self.grammar = GrammarBackend(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.block_size = self._resolve_block_size()
+        self.prompt_lookup_max = self._resolve_prompt_lookup()
         self.max_model_len = config.max_model_len or self._default_max_model_len()
         self.threads = self._thread_governor()
         if self.threads is not None:
@@ -140,7 +141,6 @@ class Engine:
         self.scheduler = Scheduler(config.max_num_seqs)
         self.cost_model = self._measure_costs() if self.is_speculative and config.speculative_adaptive else None
         self.acceptance = AcceptanceTracker(self.block_size - 1)
-        self.prompt_lookup_max = self._resolve_prompt_lookup()
         self.lookup_acceptance = AcceptanceTracker(self.block_size - 1)
         self.prefix_cache = PrefixCache(
             config.max_num_seqs, enabled=config.enable_prefix_caching and self.runner.supports_prefix_copy
@@ -199,12 +199,13 @@ class Engine:
 
     def _resolve_prompt_lookup(self) -> int:
         """The longest n-gram prompt lookup matches (0: off): on by default where the engine
-        speculates adaptively; asked for explicitly without a drafter, a ``ValueError``."""
+        speculates adaptively (``EngineConfig`` rejects it without adaptive speculation); asked for
+        explicitly without a drafter, a ``ValueError`` (before anything is compiled)."""
         wanted = self.config.prompt_lookup_max
+        adaptive = self.is_speculative and self.config.speculative_adaptive
         if wanted is None:
-            wanted = max(DEFAULT_PROMPT_LOOKUP_MAX, self.config.prompt_lookup_min)
-            return wanted if self.cost_model is not None else 0
-        if wanted and self.cost_model is None:
+            return max(DEFAULT_PROMPT_LOOKUP_MAX, self.config.prompt_lookup_min) if adaptive else 0
+        if wanted and not adaptive:
             raise ValueError(
                 "prompt lookup (--prompt-lookup-max) runs beside a drafter: this engine does not speculate "
                 "(block size 1 or no drafter); pass --prompt-lookup-max 0"
@@ -599,23 +600,21 @@ class Engine:
         limits = self._num_drafts(rows)
         choice = self._choose_width(rows, limits)
         lookup = self._lookup_proposal(rows, limits, choice)
-        if lookup is not None:
+        if lookup is not None:  # drafts copied from the rows' own tokens: no drafter forward
             choice, proposal, limits = lookup
             stats.num_lookup_drafts += sum(1 for limit in limits if limit)
         width = self.block_size if choice is None else choice.width
         stats.predicted_tokens += 0.0 if choice is None else choice.predicted_tokens
         num_drafts = [min(limit, width - 1) for limit in limits]
         draft_before, verify_before = stats.draft_time + stats.select_time, stats.verify_time
-        if lookup is not None:
-            pass  # drafts copied from the rows' own tokens: no drafter forward
-        elif self.is_speculative and width > 1:
+        if lookup is None and self.is_speculative and width > 1:
             # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
             # cost: it is due whenever the rows draft next, and charging it here would make each draft
             # after a pause look dearer, so the policy would pause longer. One step's worth is written
             # by the drafting forward itself (_draft).
             self._write_context([r for r in rows if r.pending_context.num_tokens > self.block_size])
             proposal = self._draft(rows, width, stats)
-        else:
+        elif lookup is None:
             proposal = self._no_proposal(len(rows))
         verified = self._verify(rows, proposal, num_drafts, stats)
         verified.lookup = lookup is not None
@@ -792,21 +791,17 @@ class Engine:
         return outputs
 
     def _observe_acceptance(self, request: Request, num_drafts: int, num_accepted: int, lookup: bool) -> None:
-        """Fold a row's verify outcome into the adaptive policy's estimates of the source that drafted
-        it (the drafter or prompt lookup); the other source's estimates relax toward the engine-wide
-        ones, so a row that stopped using a source tries it again later."""
+        """Fold a row's verify outcome into the adaptive policy's estimates for the source of its drafts
+        (prompt lookup or the drafter); the other source's estimate relaxes toward its engine-wide one,
+        so a row that stopped using a source tries it again later."""
         if request.acceptance is None:
             return
-        observed, idle = (request.lookup_acceptance, request.acceptance) if lookup else (request.acceptance, None)
-        tracker = self.lookup_acceptance if lookup else self.acceptance
-        if num_drafts:
-            observed.observe(num_drafts, num_accepted)
-            tracker.observe(num_drafts, num_accepted)
-        else:
-            observed.relax(tracker.values)
-        if idle is not None:
-            idle.relax(self.acceptance.values)
-        if request.lookup_acceptance is not None and not lookup:
+        if lookup:
+            _fold(request.lookup_acceptance, self.lookup_acceptance, num_drafts, num_accepted)
+            request.acceptance.relax(self.acceptance.values)
+            return
+        _fold(request.acceptance, self.acceptance, num_drafts, num_accepted)
+        if request.lookup_acceptance is not None:
             request.lookup_acceptance.relax(self.lookup_acceptance.values)
 
     @staticmethod
@@ -959,6 +954,16 @@ class Engine:
     def _slot(request: Request) -> int:
         assert request.slot is not None
         return request.slot
+
+
+def _fold(estimate: AcceptanceEstimate, tracker: AcceptanceTracker, num_drafts: int, num_accepted: int) -> None:
+    """A row's verify outcome into its estimate and the engine-wide tracker; without drafts, the row's
+    estimate relaxes toward the tracker's."""
+    if num_drafts:
+        estimate.observe(num_drafts, num_accepted)
+        tracker.observe(num_drafts, num_accepted)
+    else:
+        estimate.relax(tracker.values)
 
 
 def _seeded(rows: Sequence[Request]) -> bool:

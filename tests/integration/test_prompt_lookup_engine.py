@@ -7,6 +7,7 @@ import pytest
 from dflash2 import LLM, SamplingParams
 from dflash2.adaptive import CostModel
 from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, EngineConfig
+from dflash2.engine import Engine
 from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
 
@@ -124,8 +125,11 @@ def test_default_on_only_with_adaptive_speculation(target):
 def test_asked_for_where_it_cannot_run_is_an_error(target):
     with pytest.raises(ValueError, match="needs adaptive speculation"):
         EngineConfig(prompt_lookup_max=4, speculative_adaptive=False)
-    with pytest.raises(ValueError, match="runs beside a drafter"):
-        tiny_engine(target, None, speculative_adaptive=True, prompt_lookup_max=4)
+    with pytest.raises(ValueError, match="block size 1 decodes without one"):
+        EngineConfig(block_size=1, prompt_lookup_max=4)
+    config = EngineConfig(speculative_adaptive=True, prompt_lookup_max=4, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="this engine does not speculate"):
+        Engine(config, target, None, None)  # no drafter: decided before anything is compiled
     with pytest.raises(ValueError, match="at least prompt_lookup_min"):
         EngineConfig(prompt_lookup_max=2, prompt_lookup_min=3)
     with pytest.raises(ValueError, match="--prompt-lookup-min"):
