@@ -51,12 +51,13 @@ def _generate(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     first_token_at = None
-    num_tokens = num_steps = num_accepted = 0
+    num_tokens = num_steps = num_accepted = num_lookup = 0
     draft_time = select_time = verify_time = 0.0
     select_in_draft = False
     for result in llm.stream(prompt, params):
         stats = result.stats
         select_in_draft = select_in_draft or stats.select_in_draft
+        num_lookup += stats.num_lookup_drafts
         draft_time, select_time, verify_time = (
             draft_time + stats.draft_time,
             select_time + stats.select_time,
@@ -83,7 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"{decode_rate:.1f} tok/s after the first token; block size {llm.engine.block_size}, "
         f"mean acceptance length {tau:.2f}; draft {draft_time * 1e3:.0f} ms, "
         + ("select in draft" if select_in_draft else f"select {select_time * 1e3:.0f} ms")
-        + f", verify {verify_time * 1e3:.0f} ms",
+        + f", verify {verify_time * 1e3:.0f} ms"
+        + (f"; prompt lookup drafted {num_lookup} of {num_steps} steps" if llm.engine.prompt_lookup_max else ""),
         file=sys.stderr,
     )
     return 0
@@ -330,7 +332,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="sampling temperatures (0 = greedy) (default: %(default)s)",
     )
     parser.add_argument(
-        "--prompt-lookup-tokens", type=int, default=d.prompt_lookup_tokens, help="prompt_lookup_num_tokens (hf-pld)"
+        "--prompt-lookup-tokens",
+        type=int,
+        default=d.prompt_lookup_tokens,
+        help="prompt_lookup_num_tokens of transformers' prompt lookup, the hf-pld row "
+        "(the engine's own is --prompt-lookup-max)",
     )
     parser.add_argument("--gguf", type=Path, default=d.gguf, help="GGUF for llama.cpp (default: derived, see docs)")
     parser.add_argument(

@@ -15,6 +15,10 @@ from dflash2.platform import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
+DEFAULT_PROMPT_LOOKUP_MIN = 2  # the shortest, when prompt_lookup_min is None
+# The longest n-gram either bound may name: each request indexes (max − min + 1) n-grams of up to max
+# tokens per token of its context, so memory grows with the context length times max².
+MAX_PROMPT_LOOKUP_N = 16
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,10 @@ class EngineConfig:
             (``dflash2/prompt_lookup.py``): a step may verify the tokens that followed the latest
             earlier occurrence of a row's last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens
             instead of running the drafter, when the adaptive policy predicts more tokens per second
-            from it. Needs adaptive speculation and a drafter. ``prompt_lookup_max`` None = on (4)
-            where the engine speculates adaptively (at least ``prompt_lookup_min``), else off; 0 = off.
+            from it. Needs adaptive speculation and a drafter. Both None (the default): on with
+            4 … 2 where the engine speculates adaptively, else off. ``prompt_lookup_max`` 0: off;
+            either bound given: on, and an error where it cannot run; ``prompt_lookup_min`` alone
+            raises the maximum to at least itself. Each is at most ``MAX_PROMPT_LOOKUP_N`` (16).
         deterministic: batch-invariant forwards (``dflash2.models.layers.batch_invariant``): a
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
@@ -76,7 +82,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative_adaptive: bool = True
     prompt_lookup_max: int | None = None
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -84,26 +90,7 @@ class EngineConfig:
             raise ValueError("block_size must be in [1, 64]")
         if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
             raise ValueError("speculative_draft_vocab_size (--speculative-draft-vocab-size) must be at least 1")
-        if self.prompt_lookup_max is not None and self.prompt_lookup_max < 0:
-            raise ValueError("prompt_lookup_max (--prompt-lookup-max) must be 0 (off) or at least 1")
-        if self.prompt_lookup_min < 1:
-            raise ValueError("prompt_lookup_min (--prompt-lookup-min) must be at least 1")
-        if self.prompt_lookup_max and self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(
-                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
-                f"({self.prompt_lookup_min})"
-            )
-        if self.prompt_lookup_max and not self.speculative_adaptive:
-            raise ValueError(
-                "prompt lookup (--prompt-lookup-max) needs adaptive speculation: the policy chooses between "
-                "lookup and the drafter from measured step costs (drop --no-speculative-adaptive or pass "
-                "--prompt-lookup-max 0)"
-            )
-        if self.prompt_lookup_max and self.block_size == 1:
-            raise ValueError(
-                "prompt lookup (--prompt-lookup-max) runs beside a drafter: block size 1 decodes without one "
-                "(pass --prompt-lookup-max 0)"
-            )
+        self._check_prompt_lookup()
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:
@@ -112,6 +99,47 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}")
+
+    def _check_prompt_lookup(self) -> None:
+        longest, shortest = self.prompt_lookup_max, self.prompt_lookup_min
+        if longest is not None and not 0 <= longest <= MAX_PROMPT_LOOKUP_N:
+            raise ValueError(f"prompt_lookup_max (--prompt-lookup-max) must be 0 (off) … {MAX_PROMPT_LOOKUP_N}")
+        if shortest is not None and not 1 <= shortest <= MAX_PROMPT_LOOKUP_N:
+            raise ValueError(f"prompt_lookup_min (--prompt-lookup-min) must be 1 … {MAX_PROMPT_LOOKUP_N}")
+        if longest == 0 and shortest is not None:
+            raise ValueError(
+                "prompt_lookup_min (--prompt-lookup-min) is given, but --prompt-lookup-max 0 turns lookup off"
+            )
+
+        if longest and shortest is not None and longest < shortest:
+            raise ValueError(f"prompt_lookup_max ({longest}) must be at least prompt_lookup_min ({shortest})")
+        if not self.prompt_lookup_requested:
+            return
+        if not self.speculative_adaptive:
+            raise ValueError(
+                "prompt lookup (--prompt-lookup-max/--prompt-lookup-min) needs adaptive speculation: the policy "
+                "chooses between lookup and the drafter from measured step costs (drop --no-speculative-adaptive "
+                "or the prompt lookup flags)"
+            )
+        if self.block_size == 1:
+            raise ValueError(
+                "prompt lookup (--prompt-lookup-max/--prompt-lookup-min) runs beside a drafter: block size 1 "
+                "decodes without one (drop the prompt lookup flags)"
+            )
+
+    @property
+    def prompt_lookup_requested(self) -> bool:
+        """True when a prompt lookup flag asks for lookup explicitly (an error where it cannot run)."""
+        return bool(self.prompt_lookup_max) or (self.prompt_lookup_max is None and self.prompt_lookup_min is not None)
+
+    @property
+    def prompt_lookup_bounds(self) -> tuple[int, int]:
+        """``(longest, shortest)`` n-gram prompt lookup matches when it is on (defaults resolved;
+        longest 0 when ``prompt_lookup_max`` is 0)."""
+        shortest = DEFAULT_PROMPT_LOOKUP_MIN if self.prompt_lookup_min is None else self.prompt_lookup_min
+        if self.prompt_lookup_max is None:
+            return max(DEFAULT_PROMPT_LOOKUP_MAX, shortest), shortest
+        return self.prompt_lookup_max, shortest
 
     @property
     def torch_device(self) -> torch.device:

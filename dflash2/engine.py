@@ -30,7 +30,7 @@ from dflash2.adaptive import (
     choose_lookup_width,
     choose_width,
 )
-from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, EngineConfig
+from dflash2.config import EngineConfig
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
@@ -199,18 +199,15 @@ class Engine:
 
     def _resolve_prompt_lookup(self) -> int:
         """The longest n-gram prompt lookup matches (0: off): on by default where the engine
-        speculates adaptively (``EngineConfig`` rejects it without adaptive speculation); asked for
-        explicitly without a drafter, a ``ValueError`` (before anything is compiled)."""
-        wanted = self.config.prompt_lookup_max
+        speculates adaptively (``EngineConfig`` rejects the flags without adaptive speculation); asked
+        for explicitly without a drafter, a ``ValueError`` (before anything is compiled)."""
         adaptive = self.is_speculative and self.config.speculative_adaptive
-        if wanted is None:
-            return max(DEFAULT_PROMPT_LOOKUP_MAX, self.config.prompt_lookup_min) if adaptive else 0
-        if wanted and not adaptive:
+        if self.config.prompt_lookup_requested and not adaptive:
             raise ValueError(
-                "prompt lookup (--prompt-lookup-max) runs beside a drafter: this engine does not speculate "
-                "(block size 1 or no drafter); pass --prompt-lookup-max 0"
+                "prompt lookup (--prompt-lookup-max/--prompt-lookup-min) runs beside a drafter: this engine does "
+                "not speculate (block size 1 or no drafter); drop the prompt lookup flags"
             )
-        return wanted
+        return self.config.prompt_lookup_bounds[0] if adaptive else 0
 
     def _default_max_model_len(self) -> int:
         """The model's own context limit (``max_position_embeddings``), halved while the KV caches of
@@ -349,7 +346,7 @@ class Engine:
             acceptance=AcceptanceEstimate(list(self.acceptance.values)) if self.cost_model else None,
         )
         if self.prompt_lookup_max:
-            request.lookup = PromptLookup(self.config.prompt_lookup_min, self.prompt_lookup_max)
+            request.lookup = PromptLookup(self.config.prompt_lookup_bounds[1], self.prompt_lookup_max)
             request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
         with self._lock:
             self._inbox.append(("add", request))

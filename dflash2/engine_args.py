@@ -12,7 +12,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, DTYPES, EngineConfig
+from dflash2.config import (
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    DTYPES,
+    MAX_PROMPT_LOOKUP_N,
+    EngineConfig,
+)
 
 _DEFAULTS = EngineConfig()
 
@@ -107,7 +113,8 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         "--dtype",
         default=_DEFAULTS.dtype,
         choices=["auto", *DTYPES],
-        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32)",
+        help="weights and activations (auto: bfloat16 on CUDA, on CPUs with AVX512-BF16/AMX and on AVX2 CPUs "
+        "where the project's bfloat16 kernel builds; else float32)",
     )
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
     g.add_argument(
@@ -130,14 +137,16 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         metavar="N",
         help="prompt lookup beside the drafter: a step may verify the tokens that followed the latest earlier "
         "occurrence of a row's last N … --prompt-lookup-min tokens instead of drafting, when the adaptive policy "
-        f"predicts it faster (default: {DEFAULT_PROMPT_LOOKUP_MAX} with adaptive speculation; 0: off)",
+        f"predicts it faster (default: {DEFAULT_PROMPT_LOOKUP_MAX} with adaptive speculation, else off; 0: off; "
+        f"at most {MAX_PROMPT_LOOKUP_N})",
     )
     g.add_argument(
         "--prompt-lookup-min",
         type=int,
         default=_DEFAULTS.prompt_lookup_min,
         metavar="N",
-        help="the shortest n-gram prompt lookup matches (default: %(default)s)",
+        help=f"the shortest n-gram prompt lookup matches (default: {DEFAULT_PROMPT_LOOKUP_MIN}; "
+        f"alone, it raises --prompt-lookup-max to at least N)",
     )
     g.add_argument(
         "--deterministic",

@@ -240,6 +240,7 @@ class BenchConfig:
         run says ``--no-speculative-adaptive``. Prompt lookup follows the run's flags where the
         policy runs and ``prompt_lookup`` holds, and is off otherwise."""
         e = self.engine
+        lookup = speculative_adaptive and prompt_lookup and block_size > 1
         return EngineConfig(
             model=e.model,
             drafter=e.drafter,
@@ -254,8 +255,8 @@ class BenchConfig:
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
             speculative_adaptive=speculative_adaptive,
-            prompt_lookup_max=e.prompt_lookup_max if speculative_adaptive and prompt_lookup else 0,
-            prompt_lookup_min=e.prompt_lookup_min,
+            prompt_lookup_max=e.prompt_lookup_max if lookup else 0,
+            prompt_lookup_min=e.prompt_lookup_min if lookup else None,
             deterministic=e.deterministic,
             adaptive_threads=e.adaptive_threads,
         )

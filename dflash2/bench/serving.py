@@ -120,9 +120,9 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
     if not e.speculative_adaptive:
         command.append("--no-speculative-adaptive")
     elif spec.block_size > 1:  # prompt lookup runs beside a drafter (the autoregressive server has none)
-        if e.prompt_lookup_max is not None:
-            command += ["--prompt-lookup-max", str(e.prompt_lookup_max)]
-        command += ["--prompt-lookup-min", str(e.prompt_lookup_min)]
+        for flag, value in (("--prompt-lookup-max", e.prompt_lookup_max), ("--prompt-lookup-min", e.prompt_lookup_min)):
+            if value is not None:
+                command += [flag, str(value)]
     if e.deterministic:
         command.append("--deterministic")
     command.append("--adaptive-threads" if e.adaptive_threads else "--no-adaptive-threads")

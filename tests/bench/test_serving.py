@@ -122,8 +122,7 @@ def test_server_specs_follow_the_methods() -> None:
     eager = serve_command(BenchConfig(engine=EngineConfig(enforce_eager=True)), ServerSpec("ar", 1), 1234)
     assert "--enforce-eager" in eager
     # Prompt lookup: the run's bounds go to the speculative server only (the engine's default unless given).
-    assert "--prompt-lookup-max" not in command and command[command.index("--prompt-lookup-min") + 1] == "2"
-    assert not any(flag.startswith("--prompt-lookup") for flag in eager)
+    assert not any(flag.startswith("--prompt-lookup") for flag in command + eager)
     lookup = BenchConfig(engine=EngineConfig(prompt_lookup_max=6, prompt_lookup_min=3))
     command = serve_command(lookup, ServerSpec("dflash2-b8", 8), 1234)
     assert command[command.index("--prompt-lookup-max") + 1] == "6"
@@ -192,6 +191,10 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
     assert engines["dflash2-b8-adaptive"]["prompt_lookup_max"] is None
     assert engines["dflash2-b8-adaptive-no-lookup"]["prompt_lookup_max"] == 0
     assert engines["dflash2-b8"]["prompt_lookup_max"] == 0
+    bounds = BenchConfig(engine=EngineConfig(prompt_lookup_min=3), methods=("dflash2",), block_sizes=(8,))
+    by_id = {s.id: s for s in bounds.method_specs()}
+    assert worker_spec(bounds, by_id["dflash2-b8-adaptive"], workload, [], None)["engine"]["prompt_lookup_min"] == 3
+    assert worker_spec(bounds, by_id["dflash2-b8"], workload, [], None)["engine"]["prompt_lookup_min"] is None
     # A run without prompt lookup has one adaptive row per B.
     no_lookup = EngineConfig(prompt_lookup_max=0)
     off = BenchConfig(engine=no_lookup, methods=("dflash2",), block_sizes=(8,), eager_rows=False)

@@ -136,3 +136,12 @@ def test_asked_for_where_it_cannot_run_is_an_error(target):
         EngineConfig(prompt_lookup_min=0)
     with pytest.raises(ValueError, match="--prompt-lookup-max"):
         EngineConfig(prompt_lookup_max=-1)
+    with pytest.raises(ValueError, match=r"0 \(off\) … 16"):
+        EngineConfig(prompt_lookup_max=17)
+    with pytest.raises(ValueError, match="needs adaptive speculation"):
+        EngineConfig(prompt_lookup_min=3, speculative_adaptive=False)  # a bound alone asks for lookup too
+    with pytest.raises(ValueError, match="turns lookup off"):
+        EngineConfig(prompt_lookup_max=0, prompt_lookup_min=3)
+    assert EngineConfig(prompt_lookup_min=6).prompt_lookup_bounds == (6, 6)
+    assert EngineConfig().prompt_lookup_bounds == (4, 2) and not EngineConfig().prompt_lookup_requested
+    assert EngineConfig(speculative_adaptive=False, prompt_lookup_max=0).prompt_lookup_bounds[0] == 0

@@ -47,6 +47,15 @@ def test_flags_build_the_settings():
     assert settings.engine.speculative_draft_vocab_size == 2048
     with pytest.raises(ValueError, match="speculative_draft_vocab_size"):
         engine_config_from_args(dflash2_parser().parse_args(["serve", "--speculative-draft-vocab-size", "0"]))
+    lookup = engine_config_from_args(dflash2_parser().parse_args(["serve", "--prompt-lookup-max", "6"]))
+    assert (lookup.prompt_lookup_max, lookup.prompt_lookup_min, lookup.prompt_lookup_bounds) == (6, None, (6, 2))
+    for argv, message in (
+        (["--prompt-lookup-max", "4", "--no-speculative-adaptive"], "needs adaptive speculation"),
+        (["--prompt-lookup-min", "3", "--block-size", "1"], "runs beside a drafter"),
+        (["--prompt-lookup-max", "17"], "at most|… 16"),
+    ):
+        with pytest.raises(ValueError, match=message):  # before any model loads
+            engine_config_from_args(dflash2_parser().parse_args(["serve", *argv]))
     defaults = settings_from_args(server_parser().parse_args([]), engine_config_from_args(args))
     assert (defaults.host, defaults.port, defaults.api_key) == ("127.0.0.1", 8000, None)
     with pytest.raises(SystemExit):
@@ -123,6 +132,8 @@ def test_training_commands_offer_only_the_engine_flags_they_use(capsys):
         ["data", "--out", "d", "--block-size", "4"],
         ["eval", "--out", "o", "--sets", "heldot"],
         ["train", "--data", "d", "--run-dir", "r", "--out", "o", "--speculative-draft-vocab-size", "64"],
+        ["eval", "--out", "o", "--prompt-lookup-max", "4"],  # eval verifies full blocks: no policy, no lookup
+        ["data", "--out", "d", "--prompt-lookup-min", "2"],
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
