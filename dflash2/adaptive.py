@@ -198,14 +198,15 @@ class CostModel:
         ever goes toward drafting's costs: an autoregressive step keeps its own factor, or it would
         rise with drafting's and drafting would never look worse.
         """
-        verify = self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
+        verify = self.verify_seconds(rows, width)
         if width == 1:
             return verify
         return verify + self.draft.get((rows, width), math.inf) * self._draft_factor(rows)
 
     def verify_seconds(self, rows: int, width: int) -> float:
-        """Predicted seconds of a step whose ``width − 1`` drafts need no drafter forward (prompt
-        lookup, ``dflash2/prompt_lookup.py``): the verify forward alone, at drafted steps' factor."""
+        """Predicted seconds of the verify forward alone (inf when never measured): a step's whole
+        cost at width 1, or when its ``width − 1`` drafts need no drafter forward (prompt lookup,
+        ``dflash2/prompt_lookup.py``)."""
         return self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
@@ -366,5 +367,4 @@ def choose_lookup_width(
     Returns:
         The choice; its ``rates[width]`` compares with :func:`choose_width`'s for the drafter.
     """
-    drafted = [w for w in widths if w > 1]
-    return choose_width(acceptance, limits, drafted, verify_seconds, min_width=2)
+    return choose_width(acceptance, limits, widths, verify_seconds, min_width=2)

@@ -110,7 +110,6 @@ class EngineConfig:
             raise ValueError(
                 "prompt_lookup_min (--prompt-lookup-min) is given, but --prompt-lookup-max 0 turns lookup off"
             )
-
         if longest and shortest is not None and longest < shortest:
             raise ValueError(f"prompt_lookup_max ({longest}) must be at least prompt_lookup_min ({shortest})")
         if not self.prompt_lookup_requested:

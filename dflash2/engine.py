@@ -346,7 +346,7 @@ class Engine:
             acceptance=AcceptanceEstimate(list(self.acceptance.values)) if self.cost_model else None,
         )
         if self.prompt_lookup_max:
-            request.lookup = PromptLookup(self.config.prompt_lookup_bounds[1], self.prompt_lookup_max)
+            request.lookup = PromptLookup(self.config.prompt_lookup_bounds[1], self.prompt_lookup_max, prompt_ids)
             request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
         with self._lock:
             self._inbox.append(("add", request))
@@ -649,11 +649,12 @@ class Engine:
         limits cut to each row's lookup draft; its proposal is one-hot on the copied tokens. None
         otherwise, when prompt lookup is off, and for a seeded sampled row (its text must not
         depend on timings)."""
-        if not self.prompt_lookup_max or self.cost_model is None or choice is None or _seeded(rows):
+        if choice is None or not self.prompt_lookup_max or _seeded(rows):  # choice None: no adaptive policy
             return None
+        assert self.cost_model is not None
         drafts = []
         for request, limit in zip(rows, limits):
-            request.lookup.sync(request.prompt_ids, request.output_ids)
+            request.lookup.sync(request.output_ids)
             drafts.append(request.lookup.propose(limit))
         if not all(d for d, limit in zip(drafts, limits) if limit):
             return None

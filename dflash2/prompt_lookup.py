@@ -29,18 +29,22 @@ class PromptLookup:
 
     Args:
         min_n, max_n: the shortest and longest n-gram matched (1 ≤ min_n ≤ max_n).
+        prompt: the request's prompt, indexed now (the engine builds the index when a request is
+            added, so a long prompt is not indexed inside an engine step that other rows share).
 
     Raises:
         ValueError: for bounds outside that range.
     """
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, prompt: Sequence[int] = ()) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup n-gram bounds must satisfy 1 <= min <= max (got {min_n}, {max_n})")
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         # n-gram → end index of its latest occurrence, for the n-grams that end before the last token.
         self._latest: dict[tuple[int, ...], int] = {}
+        self.extend(prompt)
+        self._prompt_length = len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append committed tokens (in order) and index the n-grams they complete."""
@@ -51,11 +55,9 @@ class PromptLookup:
                     self._latest[tuple(self.tokens[end - n + 1 : end + 1])] = end
             self.tokens.append(int(token))
 
-    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """Catch up with a request's tokens so far, ``prompt`` then ``output`` (which only grows)."""
-        if not self.tokens:
-            self.extend(prompt)
-        self.extend(output[len(self.tokens) - len(prompt) :])
+    def sync(self, output: Sequence[int]) -> None:
+        """Catch up with the request's output so far (it only grows; the prompt is indexed already)."""
+        self.extend(output[len(self.tokens) - self._prompt_length :])
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix

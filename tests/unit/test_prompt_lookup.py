@@ -62,10 +62,10 @@ def test_incremental_indexing_agrees_with_the_definition(min_n, max_n):
 
 def test_sync_catches_up_with_prompt_then_output():
     prompt, output = [5, 6, 7, 5], [6, 1, 5, 6]
-    index = PromptLookup(2, 3)
-    index.sync(prompt, output[:1])
+    index = PromptLookup(2, 3, prompt)
+    index.sync(output[:1])
     assert index.tokens == [5, 6, 7, 5, 6] and index.propose(2) == [7, 5]
-    index.sync(prompt, output)
+    index.sync(output)
     assert index.tokens == prompt + output
     assert index.propose(3) == brute_force(prompt + output, 3, 2, 3) == [1, 5, 6]
 
