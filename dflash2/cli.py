@@ -114,7 +114,7 @@ def _data(args: argparse.Namespace) -> int:
 def _offline_dtype(config: EngineConfig) -> Any:
     """The dtype of ``train`` and ``eval``, which run the target without the engine: ``auto`` is
     float32 on CPUs whose bfloat16 speed comes from the engine's packed kernel
-    (:func:`dflash2.models.layers.linear_backend` ``"kernel"``), since these commands run plain
+    (:func:`dflash2.models.layers.linear_backend` ``"avx2"``), since these commands run plain
     ``nn.Linear`` layers (PyTorch's bfloat16 there is several times slower than float32);
     otherwise ``config.torch_dtype``."""
     import torch
@@ -122,7 +122,7 @@ def _offline_dtype(config: EngineConfig) -> Any:
     from dflash2.models.layers import linear_backend
 
     cpu = config.torch_device.type == "cpu"
-    if config.dtype == "auto" and cpu and linear_backend(config.torch_device, torch.bfloat16) == "kernel":
+    if config.dtype == "auto" and cpu and linear_backend(config.torch_device, torch.bfloat16) == "avx2":
         return torch.float32
     return config.torch_dtype
 

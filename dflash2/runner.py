@@ -50,7 +50,9 @@ from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter, DraftLayer
 from dflash2.models.layers import (
+    BACKEND_NAMES,
     MLP,
+    PROJECT_KERNELS,
     FusedMLP,
     apply_rope,
     attention,
@@ -618,9 +620,9 @@ class ModelRunner:
                 selector = StaticSelector(self.drafter, self.use_selector)
                 modules.append(("drafter", StaticProposer(context, drafter, selector, self.block_size).eval()))
                 modules.append(("context", context.eval()))
-        if linear_backend(self.device, self.dtype) == "kernel":
-            # The bfloat16 kernel is a custom op that graphs call with the packed weight as an input
-            # (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
+        if linear_backend(self.device, self.dtype) in PROJECT_KERNELS:
+            # The project's bfloat16 kernels are custom ops that graphs call with the packed weight as
+            # an input (oneDNN's packed weights cannot be graph inputs, so there the graphs keep dense ones).
             packed = sum(prepack_linears(module) for _, module in modules)
             logger.info("packed %d linear layers of the compiled forwards for the bfloat16 CPU kernel", packed)
         return modules
@@ -714,7 +716,7 @@ class ModelRunner:
         if self.drafter is not None and self.draft_cache is not None:
             packed += self.drafter.prepack()
         if packed:
-            kernel = "oneDNN" if backend == "onednn" else "the bfloat16 CPU kernel (AVX2)"
+            kernel = BACKEND_NAMES[backend]
             logger.info("pre-packed %d linear layers for %s", packed, kernel)
 
     # ---- forwards -------------------------------------------------------------------------------

@@ -7,14 +7,17 @@ nh / nkv query / key-value heads, d head dim.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger(__name__)
 _local = threading.local()
 
 
@@ -76,43 +79,108 @@ def onednn_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+CPU_KERNELS = ("avx512bf16", "avx2", "onednn")  # DFLASH2_CPU_KERNEL's values, in the order tried
+# The project's own kernels: custom ops that compiled graphs call with the packed weight as an input
+# (oneDNN's packed weights cannot be graph inputs).
+PROJECT_KERNELS = ("avx512bf16", "avx2")
+
+
+def choose_cpu_kernel(
+    flags: frozenset[str], onednn: bool, builds: Callable[[str], bool], forced: str | None = None
+) -> str | None:
+    """Which bfloat16 linear path a CPU gets (pure; :func:`linear_backend` calls it once per process).
+
+    The first that can run, in this order: the project's AVX512-BF16 kernel (flags ``avx512f``,
+    ``avx512bw``, ``avx512vl``, ``avx512_bf16``), its AVX2 kernel (``avx2``, ``fma``), oneDNN (when
+    ``onednn``: PyTorch reports its bfloat16 support); None when none can.
+
+    Args:
+        flags: the CPU's ``/proc/cpuinfo`` flags.
+        onednn: whether oneDNN runs bfloat16 matrices here (:func:`onednn_bf16`).
+        builds: whether a project kernel (by name) builds and loads; asked only where the flags allow.
+        forced: a name from :data:`CPU_KERNELS` to use instead (``DFLASH2_CPU_KERNEL``).
+
+    Raises:
+        ValueError: ``forced`` is not one of :data:`CPU_KERNELS`, or cannot run on this CPU.
+    """
+    from dflash2.models.cpu_kernels import KERNELS
+
+    def can_run(name: str) -> bool:
+        if name == "onednn":
+            return onednn
+        return KERNELS[name].cpu_flags <= flags and builds(name)
+
+    if forced:
+        if forced not in CPU_KERNELS:
+            raise ValueError(f"DFLASH2_CPU_KERNEL={forced!r}: expected one of {', '.join(CPU_KERNELS)}")
+        if not can_run(forced):
+            need = "oneDNN bfloat16 support" if forced == "onednn" else " ".join(sorted(KERNELS[forced].cpu_flags))
+            raise ValueError(f"DFLASH2_CPU_KERNEL={forced}: cannot run on this CPU (needs {need}, and a C++ compiler)")
+        return forced
+    return next((name for name in CPU_KERNELS if can_run(name)), None)
+
+
+def cpu_bf16_backend() -> str | None:
+    """:func:`choose_cpu_kernel` for this machine, ``DFLASH2_CPU_KERNEL`` honoured (each call reads
+    it; the kernels' builds and the CPU's flags are cached); each choice is logged once."""
+    from dflash2.models.cpu_kernels import KERNELS
+    from dflash2.platform import cpu_flags
+
+    onednn = onednn_bf16(torch.device("cpu"), torch.bfloat16)
+    forced = os.environ.get("DFLASH2_CPU_KERNEL", "").strip().lower() or None
+    backend = choose_cpu_kernel(cpu_flags(), onednn, lambda name: KERNELS[name].available(), forced)
+    if (backend, forced) not in _logged_choices:
+        _logged_choices.add((backend, forced))
+        how = "forced by DFLASH2_CPU_KERNEL" if forced else "chosen from the CPU's flags"
+        logger.info("bfloat16 CPU linears: %s (%s)", BACKEND_NAMES.get(backend or "", "PyTorch's generic code"), how)
+    return backend
+
+
+_logged_choices: set[tuple[str | None, str | None]] = set()
+
+
+BACKEND_NAMES = {
+    "avx512bf16": "the project's AVX512-BF16 kernel",
+    "avx2": "the project's AVX2 kernel",
+    "onednn": "oneDNN",
+}
+
+
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     """How :class:`PackedLinear` runs linears of this device and dtype, or None (plain ``nn.Linear``).
 
-    ``"onednn"``: oneDNN's bfloat16 kernels on a pre-packed weight, on CPUs with native bfloat16
-    (:func:`onednn_bf16`). ``"kernel"``: this project's bfloat16 kernel
-    (:mod:`dflash2.models.cpu_kernels`) on other x86 CPUs with AVX2 and FMA, where PyTorch has no
-    fast bfloat16 matrix product (built the first time). None on CUDA, in float32 or float16, and
-    where neither can run.
+    On a CPU in bfloat16, :func:`cpu_bf16_backend`: ``"avx512bf16"`` or ``"avx2"`` (the project's
+    kernels, :mod:`dflash2.models.cpu_kernels`, built the first time) or ``"onednn"`` (oneDNN's
+    kernels on a pre-packed weight). None on CUDA, in float32 or float16, and where none can run.
+
+    Raises:
+        ValueError: ``DFLASH2_CPU_KERNEL`` names a path that cannot run here.
     """
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    if onednn_bf16(device, dtype):
-        return "onednn"
-    from dflash2.models import cpu_kernels
-
-    return "kernel" if cpu_kernels.available() else None
+    return cpu_bf16_backend()
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedLinear` can serve linears of this device and dtype (see
-    :func:`linear_backend`): CPU bfloat16 with oneDNN's bfloat16 support or the AVX2 kernel."""
+    :func:`linear_backend`): CPU bfloat16 with one of the project's kernels or oneDNN."""
     return linear_backend(device, dtype) is not None
 
 
 class PackedLinear(nn.Module):
     """An inference-only ``nn.Linear`` whose bfloat16 weight is pre-packed once for a CPU kernel.
 
-    Backend ``"onednn"`` (CPUs with AVX512-BF16 or AMX): the weight in oneDNN's blocked layout.
-    ``F.linear`` re-lays out a bfloat16 weight on every CPU call; packing once at load time makes
-    the small matrix–vector products of decoding about 1.8× faster (a SmolLM2-135M token: 20.5 →
-    11.6 ms of linears on 2 cores) with bit-identical outputs. ``torch.compile`` cannot take
-    mkldnn tensors as graph inputs, so the runner's compiled forwards keep dense weights there.
+    Backends ``"avx512bf16"`` (CPUs with AVX512-BF16) and ``"avx2"`` (other AVX2 CPUs): the weight
+    in the layout of the project's kernel (:mod:`dflash2.models.cpu_kernels`), multiplied by its op
+    (float32 accumulation in a fixed order: a row's result does not depend on the other rows). A
+    custom op with a shape function, so compiled graphs call it too, with the packed weight as a
+    graph input.
 
-    Backend ``"kernel"`` (other AVX2 CPUs): the weight in the layout of
-    :func:`dflash2.models.cpu_kernels.pack`, multiplied by ``torch.ops.dflash2.bf16_linear``
-    (float32 accumulation; a row's result does not depend on the other rows). A custom op with a
-    shape function, so compiled graphs call it too, with the packed weight as a graph input.
+    Backend ``"onednn"``: the weight in oneDNN's blocked layout. ``F.linear`` re-lays out a
+    bfloat16 weight on every CPU call; packing once at load time makes the small matrix–vector
+    products of decoding about 1.8× faster (a SmolLM2-135M token: 20.5 → 11.6 ms of linears on 2
+    cores) with bit-identical outputs. ``torch.compile`` cannot take mkldnn tensors as graph
+    inputs, so the runner's compiled forwards keep dense weights there.
 
     The packed weight supports no autograd, indexing or ``.to()``: use it only after the model is
     on its device and in its final dtype (see :func:`prepack_linears`).
@@ -121,7 +189,7 @@ class PackedLinear(nn.Module):
         weight: ``[out, in]`` bfloat16 on a CPU; bias: ``[out]`` or None.
         keep_weight: keep the dense ``weight`` attribute, for code that reads it directly
             (e.g. an LM head the drafter shares); otherwise it is dropped to save memory.
-        backend: ``"onednn"`` or ``"kernel"``; None = :func:`linear_backend`'s choice.
+        backend: ``"avx512bf16"``, ``"avx2"`` or ``"onednn"``; None = :func:`linear_backend`'s choice.
 
     Raises:
         ValueError: where neither backend can run (see :func:`linear_backend`).
@@ -139,7 +207,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         backend = backend or linear_backend(weight.device, weight.dtype)
-        if backend not in ("onednn", "kernel"):
+        if backend not in CPU_KERNELS:
             raise ValueError(f"no packed linear kernel for {weight.dtype} on {weight.device}")
         self.backend = backend
         self.bias: torch.Tensor | None
@@ -148,13 +216,17 @@ class PackedLinear(nn.Module):
         if backend == "onednn":
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
-            from dflash2.models import cpu_kernels
+            from dflash2.models.cpu_kernels import KERNELS
 
-            self.register_buffer("packed_weight", cpu_kernels.pack(weight), persistent=False)
+            self.register_buffer("packed_weight", KERNELS[backend].pack(weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` bfloat16 → ``[..., out]``."""
-        if self.backend == "kernel":
+        if self.backend == "avx512bf16":
+            return torch.ops.dflash2.bf16_dot_linear(
+                x, self.packed_weight, self.bias, self.in_features, self.out_features
+            )
+        if self.backend == "avx2":
             return torch.ops.dflash2.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
         if x.numel() == self.in_features and batch_invariant_enabled():
             # One row would take oneDNN's matrix-vector kernel, which sums in another order than
@@ -315,7 +387,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         # The mask repeated per group member (a view when L = 1).
         folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask)
-        out = out.view(num_rows, num_heads, num_queries, head_dim)
+        # A view on CPU; CUDA's kernels may return [R, g·L, nkv, d] memory transposed, then a copy.
+        out = out.reshape(num_rows, num_heads, num_queries, head_dim)
     else:
         # enable_gqa shares each K/V head with its query group without materialising copies
         # (repeat_interleave made decode at batch 32 ~15x slower on CPU).

@@ -158,7 +158,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
 
 }  // namespace
 
-TORCH_LIBRARY(dflash2, m) {
+TORCH_LIBRARY_FRAGMENT(dflash2, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 

@@ -1,0 +1,176 @@
+// dflash2::bf16_dot_linear — y = x · Wᵀ (+ bias) for bfloat16 weights on x86 CPUs with native
+// bfloat16 dot products (AVX512-BF16: AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids and
+// later). Built and loaded by dflash2/models/cpu_kernels.py.
+//
+// Decoding multiplies a few rows (1 token, a verify block of up to 16, a small batch) by every weight
+// matrix, so the work is reading the weights once, at the memory's speed. `vdpbf16ps`
+// (_mm512_dpbf16_ps) multiplies 16 pairs of bfloat16 values by 16 other pairs and adds each pair's two
+// products to one float32 lane. The weights are packed once, at load, into blocks of 32 output
+// features: block b holds, for each pair of inputs p = 0 … ⌈K/2⌉ − 1, 64 values —
+// [h][i][j] = W[32b + 16h + i][2p + j] (h, j < 2; i < 16) — so one 64-byte load holds the pairs of
+// 16 outputs and the block is one sequential stream of ⌈K/2⌉ · 128 bytes. Each row's pair
+// (x[m][2p], x[m][2p + 1]) is broadcast to all 16 lanes from one 32-bit load. A register tile of up to
+// 8 rows × 32 outputs is 16 accumulators; larger row counts run several tiles over a block that is
+// then in L2. Every output is one float32 sum over p = 0, 1, … in that order (each step adds the
+// products of inputs 2p and 2p + 1), whatever the number of rows or the row's place among them, so a
+// row's result does not depend on the batch. Threads split the blocks of output features.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;       // output features per packed block (two vectors of 16)
+constexpr int64_t kPairValues = 64;  // bfloat16 values per input pair in a block (32 outputs × 2 inputs)
+constexpr int64_t kRowTile = 8;      // rows per register tile (16 accumulators)
+constexpr int64_t kPrefetch = 8;     // input pairs ahead (1 KiB of the block) for the software prefetch
+
+// Rows [0, MB) of x (pairs of bfloat16 as 32-bit words, `pairs` per row) times one packed block
+// (+ bias) → y (row stride ldy); `columns` ≤ 32 of the block's outputs are stored.
+template <int MB, typename Out>
+inline void tile_rows(const uint32_t* x, int64_t pairs, const uint16_t* block, const float* bias, Out* y,
+                      int64_t ldy, int64_t columns) {
+  __m512 low[MB], high[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    low[m] = _mm512_setzero_ps();
+    high[m] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* w = block + p * kPairValues;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPairValues), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPairValues + 32), _MM_HINT_T0);
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+      const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(x[m * pairs + p])));
+      low[m] = _mm512_dpbf16_ps(low[m], b, w0);
+      high[m] = _mm512_dpbf16_ps(high[m], b, w1);
+    }
+  }
+  const __mmask16 mask0 = static_cast<__mmask16>(columns >= 16 ? 0xFFFF : (1u << columns) - 1);
+  const __mmask16 mask1 = static_cast<__mmask16>(columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : (1u << (columns - 16)) - 1);
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+  if (bias) {
+    bias0 = _mm512_maskz_loadu_ps(mask0, bias);
+    bias1 = _mm512_maskz_loadu_ps(mask1, bias + 16);
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    const __m512 v0 = _mm512_add_ps(low[m], bias0), v1 = _mm512_add_ps(high[m], bias1);
+    Out* out = y + m * ldy;
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_mask_storeu_ps(out, mask0, v0);
+      _mm512_mask_storeu_ps(out + 16, mask1, v1);
+    } else {  // rounded once to bfloat16, to nearest even
+      _mm256_mask_storeu_epi16(out, mask0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v0)));
+      _mm256_mask_storeu_epi16(out + 16, mask1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
+    }
+  }
+}
+
+// Rows [0, M) of x times blocks [b0, b1) → y [M, N].
+template <typename Out>
+void run_blocks(const uint32_t* x, const uint16_t* packed, const float* bias, int64_t M, int64_t N, int64_t pairs,
+                Out* y, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* block = packed + b * pairs * kPairValues;
+    const int64_t n0 = b * kBlock, columns = std::min<int64_t>(kBlock, N - n0);
+    const float* block_bias = bias ? bias + n0 : nullptr;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile)
+      tile_rows<kRowTile>(x + m * pairs, pairs, block, block_bias, y + m * N + n0, N, columns);
+    const uint32_t* xr = x + m * pairs;
+    Out* yr = y + m * N + n0;
+    switch (M - m) {
+      case 7: tile_rows<7>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 6: tile_rows<6>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 5: tile_rows<5>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 4: tile_rows<4>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 3: tile_rows<3>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 2: tile_rows<2>(xr, pairs, block, block_bias, yr, N, columns); break;
+      case 1: tile_rows<1>(xr, pairs, block, block_bias, yr, N, columns); break;
+      default: break;
+    }
+  }
+}
+
+at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) % kPairValues == 0 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "bf16_dot_linear: packed must be a contiguous bfloat16 [N/32, 64·⌈K/2⌉] tensor");
+  const int64_t N = out_features, K = in_features, pairs = packed.size(1) / kPairValues;
+  TORCH_CHECK(K > 0 && (K + 1) / 2 == pairs, "bf16_dot_linear: in_features does not match packed");
+  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_dot_linear: out_features does not match packed");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_dot_linear: x's last dimension must be ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bf16_dot_linear: x must be bfloat16 or float32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_dot_linear: CPU tensors only");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
+                                                   bias->scalar_type() == at::kFloat)),
+              "bf16_dot_linear: bias must hold out_features bfloat16 or float32 values");
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = N;
+  const int64_t M = x.numel() / K;
+  at::Tensor y = at::empty(out_sizes, x.options());
+  if (M == 0) return y;
+
+  // x as bfloat16 pairs: used in place when it is bfloat16, contiguous and K is even; otherwise a
+  // copy (float32 rounded to bfloat16, an odd K padded with a zero).
+  const at::Tensor xc = x.contiguous();
+  std::vector<uint32_t> copy;
+  const uint32_t* xp;
+  if (xc.scalar_type() == at::kBFloat16 && K % 2 == 0) {
+    xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  } else {
+    copy.assign(static_cast<size_t>(M * pairs), 0u);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(copy.data());
+    const bool from_float = xc.scalar_type() == at::kFloat;
+    const float* xf = from_float ? xc.data_ptr<float>() : nullptr;
+    const at::BFloat16* xb = from_float ? nullptr : xc.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) {
+        dst[m * 2 * pairs + k] = from_float ? at::BFloat16(xf[m * K + k]).x : xb[m * K + k].x;  // nearest even
+      }
+    }
+    xp = copy.data();
+  }
+  std::vector<float> bf;
+  if (has_bias) {
+    const at::Tensor b = bias->contiguous();
+    bf.resize(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n)
+      bf[n] = b.scalar_type() == at::kFloat ? b.data_ptr<float>()[n] : static_cast<float>(b.data_ptr<at::BFloat16>()[n]);
+  }
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = has_bias ? bf.data() : nullptr;
+  const int64_t num_blocks = packed.size(0);
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+      run_blocks(xp, wp, bp, M, N, pairs, yp, b0, b1);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dflash2, m) {
+  m.def("bf16_dot_linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("bf16_dot_linear", &bf16_dot_linear); }
