@@ -5,8 +5,9 @@ LM head) and each row count, times ``y = x · Wᵀ`` through oneDNN (the pre-pac
 ``mkldnn._linear_pointwise`` takes), the project's AVX2 kernel and its AVX512-BF16 kernel, each on
 its own packed copies of the weights. Each shape gets enough distinct weight matrices (≥ 160 MB) that
 a pass reads them from memory, as a decode forward does, not from the cache. Passes of the methods
-are interleaved and the median kept. The last line is the machine's copy bandwidth (a 512 MB
-``Tensor.copy_``, counting the bytes read), the physical limit a decode forward approaches.
+are interleaved and the median kept. The last line is the machine's memory bandwidth (bytes read per
+second by a 512 MB ``Tensor.copy_`` and by a ``Tensor.sum``), the physical limit a decode forward
+approaches.
 
 Usage::
 
@@ -51,16 +52,21 @@ def methods() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callabl
     return found
 
 
-def copy_bandwidth(repeats: int) -> float:
-    """GB/s read by ``Tensor.copy_`` of 512 MB (median of ``repeats``)."""
-    source = torch.ones(256 * 2**20, dtype=torch.bfloat16)
+def memory_bandwidth(repeats: int) -> tuple[float, float]:
+    """GB/s read by ``Tensor.copy_`` of 512 MB (which also writes as much) and by ``Tensor.sum`` of
+    512 MB of float32 (reads only, like a decode forward), medians of ``repeats``."""
+    source = torch.ones(128 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
-    samples = []
+    copies, sums = [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         target.copy_(source)
-        samples.append(time.perf_counter() - start)
-    return source.numel() * 2 / statistics.median(samples[1:]) / 1e9
+        copies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        source.sum()
+        sums.append(time.perf_counter() - start)
+    size = source.numel() * 4
+    return size / statistics.median(copies[1:]) / 1e9, size / statistics.median(sums[1:]) / 1e9
 
 
 def main() -> int:
@@ -95,7 +101,8 @@ def main() -> int:
                 cells = [f"{n * k * 2 / statistics.median(s[1:]) / 1e9:.1f}" for s in samples.values()]
                 print(f"| {rows} | {name} ({n} × {k}) | " + " | ".join(cells) + " |", flush=True)
             del packed
-    print(f"\ncopy bandwidth (bytes read by a 512 MB Tensor.copy_): {copy_bandwidth(args.repeats):.1f} GB/s")
+    copy, read = memory_bandwidth(args.repeats)
+    print(f"\nmemory: {copy:.1f} GB/s read by a 512 MB Tensor.copy_ (as much written), {read:.1f} GB/s by a Tensor.sum")
     return 0
 
 

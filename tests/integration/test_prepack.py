@@ -1,4 +1,5 @@
-"""Pre-packed oneDNN linears (CPU, bfloat16): same outputs as ``nn.Linear``, same tokens from the engine."""
+"""Pre-packed oneDNN linears (CPU, bfloat16; ``DFLASH2_CPU_KERNEL=onednn``): same outputs as ``nn.Linear``,
+same tokens from the engine."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.skipif(
     not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
 )
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(autouse=True)
+def onednn_backend(monkeypatch):
+    """oneDNN's pre-packed linears, also where the CPU's default is the project's AVX512-BF16 kernel."""
+    monkeypatch.setenv("DFLASH2_CPU_KERNEL", "onednn")
 
 
 def test_can_prepack_only_cpu_bfloat16():

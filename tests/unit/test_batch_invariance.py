@@ -10,7 +10,7 @@ import torch
 import dflash2.config
 import dflash2.engine
 import dflash2.runner
-from dflash2.models import layers
+from dflash2.models import cpu_kernels, layers
 from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, onednn_bf16
 from dflash2.selector import SelectorWeights, lattice_scores
 from tests.tiny import tiny_target
@@ -69,10 +69,20 @@ def test_invariant_attention_ignores_neighbours_offsets_and_key_length(kv, monke
 
 
 @needs_onednn_bf16
-def test_packed_linear_row_is_the_same_in_any_batch_inside_batch_invariant():
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "onednn",
+        pytest.param(
+            "avx512bf16",
+            marks=pytest.mark.skipif(not cpu_kernels.AVX512_BF16.available(), reason="no AVX512-BF16 kernel here"),
+        ),
+    ],
+)
+def test_packed_linear_row_is_the_same_in_any_batch_inside_batch_invariant(backend):
     generator = torch.Generator().manual_seed(1)
     weight = (torch.randn(576, 1536, generator=generator) * 0.05).to(torch.bfloat16)  # a down-projection's shape
-    linear = PackedLinear(weight)
+    linear = PackedLinear(weight, backend=backend)
     x = torch.randn(64, 1536, generator=generator).to(torch.bfloat16)
     with torch.inference_mode(), batch_invariant():
         alone = [linear(x[i : i + 1]) for i in range(64)]

@@ -32,7 +32,8 @@ namespace {
 constexpr int64_t kBlock = 32;       // output features per packed block (two vectors of 16)
 constexpr int64_t kPairValues = 64;  // bfloat16 values per input pair in a block (32 outputs × 2 inputs)
 constexpr int64_t kRowTile = 8;      // rows per register tile (16 accumulators)
-constexpr int64_t kPrefetch = 8;     // input pairs ahead (1 KiB of the block) for the software prefetch
+// No software prefetch: each thread reads its blocks as one sequential stream, which the hardware
+// prefetchers follow; prefetching 4–32 pairs ahead was 4–12 % slower over SmolLM2's 121 linears.
 
 // Rows [0, MB) of x (pairs of bfloat16 as 32-bit words, `pairs` per row) times one packed block
 // (+ bias) → y (row stride ldy); `columns` ≤ 32 of the block's outputs are stored.
@@ -46,8 +47,6 @@ inline void tile_rows(const uint32_t* x, int64_t pairs, const uint16_t* block, c
   }
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* w = block + p * kPairValues;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPairValues), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPairValues + 32), _MM_HINT_T0);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
