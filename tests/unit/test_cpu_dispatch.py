@@ -60,9 +60,9 @@ def test_forced_paths(forced):
 
 
 def test_forced_paths_that_cannot_run_are_errors():
-    with pytest.raises(ValueError, match="DFLASH2_CPU_KERNEL=avx512bf16: cannot run on this CPU.*avx512_bf16"):
+    with pytest.raises(ValueError, match=r"DFLASH2_CPU_KERNEL=avx512bf16: cannot run on this CPU.*avx512_bf16"):
         choose_cpu_kernel(ZEN3, False, builds, "avx512bf16")
-    with pytest.raises(ValueError, match="DFLASH2_CPU_KERNEL=onednn: cannot run.*oneDNN bfloat16 support"):
+    with pytest.raises(ValueError, match=r"DFLASH2_CPU_KERNEL=onednn: cannot run.*oneDNN bfloat16 support"):
         choose_cpu_kernel(ZEN3, False, builds, "onednn")
     with pytest.raises(ValueError, match="cannot run"):
         choose_cpu_kernel(ZEN4, True, never, "avx2")
