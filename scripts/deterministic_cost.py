@@ -7,11 +7,13 @@ Four chat prompts × ``--max-tokens`` greedy tokens, one at a time (batch 1) and
 median of the others is printed in tok/s.
 
     .venv/bin/python scripts/deterministic_cost.py [--threads 2] [--max-tokens 96] [--rounds 4]
+    .venv/bin/python scripts/deterministic_cost.py --cpu-kernels onednn avx512bf16   # eager only, per path
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -37,21 +39,34 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=4, help="rounds; the first one warms up")
+    parser.add_argument(
+        "--cpu-kernels",
+        nargs="+",
+        default=None,
+        help="instead: the two eager configurations on each of these linear paths (DFLASH2_CPU_KERNEL values)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llms = {
-        (name, block): LLM(
-            block_size=block,
-            max_num_seqs=4,
-            max_model_len=2048,
-            dtype="bfloat16",
-            speculative_adaptive=False,
-            enable_prefix_caching=False,
-            **extra,
-        )
-        for name, extra in CONFIGS.items()
-        for block in (1, 8)
-    }
+    configs = dict(CONFIGS)
+    if args.cpu_kernels:
+        configs = {f"{kernel}: {name}": (kernel, CONFIGS[name]) for kernel in args.cpu_kernels for name in CONFIGS}
+        configs = {name: value for name, value in configs.items() if "compiled" not in name}
+    else:
+        configs = {name: (None, extra) for name, extra in CONFIGS.items()}
+    llms = {}
+    for name, (kernel, extra) in configs.items():
+        if kernel:  # read when the engine packs its linears
+            os.environ["DFLASH2_CPU_KERNEL"] = kernel
+        for block in (1, 8):
+            llms[name, block] = LLM(
+                block_size=block,
+                max_num_seqs=4,
+                max_model_len=2048,
+                dtype="bfloat16",
+                speculative_adaptive=False,
+                enable_prefix_caching=False,
+                **extra,
+            )
     tokenizer = next(iter(llms.values())).engine.tokenizer
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -69,9 +84,9 @@ def main() -> None:
                     tokens = sum(len(c.token_ids) for c in llm.generate(prompts, params))
                 if round_index > 0:
                     rates.setdefault((name, block, batch), []).append(tokens / (time.perf_counter() - start))
-    print(f"{'configuration':24s} {'block':>5s} {'batch':>5s} {'tok/s':>8s}")
+    print(f"{'configuration':36s} {'block':>5s} {'batch':>5s} {'tok/s':>8s}")
     for (name, block, batch), values in rates.items():
-        print(f"{name:24s} {block:5d} {batch:5d} {statistics.median(values):8.1f}")
+        print(f"{name:36s} {block:5d} {batch:5d} {statistics.median(values):8.1f}")
 
 
 if __name__ == "__main__":
