@@ -324,7 +324,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         check_token_ids(prompt_ids, self.vocab_size, "prompt")
         params.check_vocabulary(self.vocab_size)
-        if params.stop and self.tokenizer is None:
+        if (params.stop or params.repeat_marker) and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if params.grammar is not None and self.grammar is None:
             raise ValueError("grammar: structured outputs need a tokenizer")
@@ -378,6 +378,7 @@ class Engine:
             stop=params.stop,
             skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            repeat_marker=params.repeat_marker,
         )
 
     def running_request_ids(self) -> list[str]:
@@ -824,9 +825,9 @@ class Engine:
     ) -> tuple[list[int], str, list[TokenLogprob] | None]:
         """Append tokens up to the first stop; returns the committed tokens, text and logprobs.
 
-        Stops, in order for each token: a stop string it completes, a stop token id, EOS (unless
-        ``ignore_eos``), ``max_tokens``, the end of the request's grammar. Tokens after the stop are
-        dropped with their text and logprobs.
+        Stops, in order for each token: a stop string it completes (or a repeated unit, see
+        ``SamplingParams.repeat_marker``), a stop token id, EOS (unless ``ignore_eos``), ``max_tokens``,
+        the end of the request's grammar. Tokens after the stop are dropped with their text and logprobs.
         """
         params = request.params
         grammar_reason = None
@@ -850,7 +851,7 @@ class Engine:
         if request.detokenizer is not None:
             result = request.detokenizer.add_tokens(committed)
             text = result.text
-            if result.stop_index is not None:  # a stop string at or before that token wins
+            if result.stop_index is not None:  # a stop string (or a repeat) at or before that token wins
                 committed = committed[: result.stop_index + 1]
                 reason = (FinishReason.STOP, result.stop_string)
         request.output_ids.extend(committed)
