@@ -27,7 +27,7 @@ and takes the best, where
 
 Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
 block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
-*seeded* sampled request always verifies the full block, so its text does not depend on the load.
+*seeded* request always verifies the full block, so its text does not depend on the load.
 Peers: vLLM V0's ``speculative_disable_by_batch_size`` (all or nothing above a batch size), llama.cpp's
 ``--draft-p-min`` (stop drafting below a probability).
 """
@@ -328,7 +328,7 @@ def choose_width(
         limits: per row, the most drafts it may verify (``max_tokens``, context end).
         widths: candidate widths (each 1 … B).
         seconds: ``seconds(R, W)``, the predicted step time.
-        min_width: the narrowest allowed (B when a seeded sampled row needs its full block).
+        min_width: the narrowest allowed (B when a seeded row needs its full block).
 
     Returns:
         The choice; ties go to the narrower width (less compute for the same rate).

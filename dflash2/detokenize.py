@@ -14,6 +14,11 @@ into text deltas that are safe to stream (e.g. over SSE):
 * Stop strings are matched against the whole output, including matches that
   straddle earlier deltas. Text that ends with a proper prefix of a stop string
   is held back until it either completes the stop string or turns out not to.
+* Repeated units (``repeat_marker``): when the output is a sequence of units that
+  each end with a marker (tool calls ending with ``</tool_call>``), a unit that
+  repeats an earlier one (surrounding whitespace aside) ends the output right
+  before it. The unit being written is held back while it may still become a
+  repeat, so no part of a repeat is ever emitted.
 
 Invariant: the concatenation of every returned delta plus :meth:`flush` equals
 ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
@@ -50,12 +55,14 @@ class DetokenizeResult:
         stop_index: If a stop string matched, the 0-based index into the token ids
             passed to this call of the token that completed the match; else None.
             Tokens after this index were ignored.
-        stop_string: The stop string that matched, else None.
+        stop_string: The stop string that matched, else None (also for a repeated unit).
+        repeated: True when a unit repeated an earlier one (``stop_index`` is the token that completed it).
     """
 
     text: str
     stop_index: int | None = None
     stop_string: str | None = None
+    repeated: bool = False
 
 
 class IncrementalDetokenizer:
@@ -70,6 +77,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: Leave special tokens (EOS and the like) out of the text.
         include_stop_str_in_output: Include the matched stop string at the end of
             the output instead of ending right before it.
+        repeat_marker: The string that ends each unit of the output, or None: a unit
+            (the text after the previous unit's marker, up to and including its own)
+            equal to an earlier one, both whitespace-stripped, ends the output before it.
     """
 
     def __init__(
@@ -79,6 +89,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        repeat_marker: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -100,6 +111,11 @@ class IncrementalDetokenizer:
         # Last (max_stop_len - 1) emitted characters, the part a stop match may reach back into.
         self._emitted_tail = ""
         self._finished = False
+        # Repeated units: the units completed so far, and where the current one starts in the
+        # text after the emitted part (``_held_text``, which holds it while it may be a repeat).
+        self._repeat_marker = repeat_marker or None
+        self._units: set[str] = set()
+        self._unit_text = ""  # the current unit so far (held text included)
 
     @property
     def output_text(self) -> str:
@@ -139,8 +155,8 @@ class IncrementalDetokenizer:
             emitted, matched = self._process_text(delta)
             if emitted:
                 parts.append(emitted)
-            if matched is not None:
-                return DetokenizeResult("".join(parts), index, matched)
+            if self._finished:  # a stop string matched, or a unit repeated
+                return DetokenizeResult("".join(parts), index, matched, repeated=matched is None)
         return DetokenizeResult("".join(parts))
 
     def flush(self) -> str:
@@ -193,8 +209,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _process_text(self, delta: str, final: bool = False) -> tuple[str, str | None]:
-        """Appends decoded text, checks stop strings and returns (text to emit, matched stop)."""
-        if not self._stops:
+        """Appends decoded text, checks stop strings and repeated units and returns (text to emit,
+        matched stop); ``_finished`` is set when either ended the output."""
+        if not self._stops and self._repeat_marker is None:
             self._emit(delta)
             return delta, None
         self._held_text += delta
@@ -219,16 +236,46 @@ class IncrementalDetokenizer:
             self._emit(out)
             self._finished = True
             return out, stop
+        repeat = self._scan_units(delta) if self._repeat_marker is not None else None
+        if repeat is not None:
+            out = self._held_text[:repeat]
+            self._held_text = ""
+            self._emit(out)
+            self._finished = True
+            return out, None
         if final:
             out = self._held_text
             self._held_text = ""
             self._emit(out)
             return out, None
-        hold = self._partial_stop_len(self._held_text)
+        hold = max(self._partial_stop_len(self._held_text), self._unit_hold())
         out = self._held_text[: len(self._held_text) - hold]
         self._held_text = self._held_text[len(self._held_text) - hold :]
         self._emit(out)
         return out, None
+
+    def _scan_units(self, delta: str) -> int | None:
+        """Folds ``delta`` into the current unit; where a completed unit that repeats an earlier one
+        starts in ``_held_text`` (it is held whole: it was a prefix of that unit from its start), or None."""
+        assert self._repeat_marker is not None
+        self._unit_text += delta
+        while (found := self._unit_text.find(self._repeat_marker)) >= 0:
+            end = found + len(self._repeat_marker)
+            unit = self._unit_text[:end].strip()
+            if unit in self._units:
+                return max(0, len(self._held_text) - len(self._unit_text))
+            self._units.add(unit)
+            self._unit_text = self._unit_text[end:]
+        return None
+
+    def _unit_hold(self) -> int:
+        """Characters at the end of ``_held_text`` to hold because the current unit may still repeat one."""
+        if not self._units:
+            return 0
+        partial = self._unit_text.lstrip()
+        if any(unit.startswith(partial) for unit in self._units):
+            return min(len(self._unit_text), len(self._held_text))
+        return 0
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

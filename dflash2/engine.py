@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -324,7 +324,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         check_token_ids(prompt_ids, self.vocab_size, "prompt")
         params.check_vocabulary(self.vocab_size)
-        if params.stop and self.tokenizer is None:
+        if (params.stop or params.repeat_marker) and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if params.grammar is not None and self.grammar is None:
             raise ValueError("grammar: structured outputs need a tokenizer")
@@ -378,6 +378,7 @@ class Engine:
             stop=params.stop,
             skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            repeat_marker=params.repeat_marker,
         )
 
     def running_request_ids(self) -> list[str]:
@@ -396,7 +397,9 @@ class Engine:
     def step(self) -> StepResult:
         """One engine iteration: schedule → prefill → draft → select → verify → commit → emit."""
         if self.threads is not None:
-            threads = self.threads.before_step()
+            # A seeded request's text must not follow the load: while one is queued or running, steps run
+            # at the configured count (the count decides how reductions are split, so their rounding).
+            threads = self.threads.before_step(hold=self._has_seeded_work())
         else:
             threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         if self.config.deterministic:
@@ -410,6 +413,13 @@ class Engine:
             shape = (stats.num_decode_rows, stats.verify_width) if comparable else None
             self.threads.after_step(shape, stats.total_time)
         return result
+
+    def _has_seeded_work(self) -> bool:
+        """True when a request with a seed is queued (inbox or waiting) or running."""
+        with self._lock:
+            if any(kind == "add" and item.params.seed is not None for kind, item in self._inbox):
+                return True
+        return _seeded(self.scheduler.running) or _seeded(self.scheduler.waiting)
 
     def _step(self, threads: int) -> StepResult:
         start = time.perf_counter()
@@ -628,8 +638,8 @@ class Engine:
 
     def _choose_width(self, rows: list[Request], limits: list[int]) -> WidthChoice | None:
         """The adaptive policy's choice of this step's verify width with the drafter (None: the full
-        block, without the policy). A seeded sampled request keeps the full block, so its text does
-        not depend on what else is running."""
+        block, without the policy). A seeded request keeps the full block, so its text does not depend
+        on timings (in bfloat16 the width changes the rounding)."""
         if self.cost_model is None or not self.is_speculative:
             return None
         return choose_width(
@@ -647,8 +657,8 @@ class Engine:
         has one and the adaptive policy predicts more tokens per second from verifying them, with no drafter
         forward, than from its ``choice`` with the drafter: ``(choice, proposal, limits)``, the
         limits cut to each row's lookup draft; its proposal is one-hot on the copied tokens. None
-        otherwise, when prompt lookup is off, and for a seeded sampled row (its text must not
-        depend on timings)."""
+        otherwise, when prompt lookup is off, and for a seeded row (its text must not depend on
+        timings)."""
         if choice is None or not self.prompt_lookup_max or _seeded(rows):  # choice None: no adaptive policy
             return None
         assert self.cost_model is not None
@@ -824,9 +834,9 @@ class Engine:
     ) -> tuple[list[int], str, list[TokenLogprob] | None]:
         """Append tokens up to the first stop; returns the committed tokens, text and logprobs.
 
-        Stops, in order for each token: a stop string it completes, a stop token id, EOS (unless
-        ``ignore_eos``), ``max_tokens``, the end of the request's grammar. Tokens after the stop are
-        dropped with their text and logprobs.
+        Stops, in order for each token: a stop string it completes (or a repeated unit, see
+        ``SamplingParams.repeat_marker``), a stop token id, EOS (unless ``ignore_eos``), ``max_tokens``,
+        the end of the request's grammar. Tokens after the stop are dropped with their text and logprobs.
         """
         params = request.params
         grammar_reason = None
@@ -850,7 +860,7 @@ class Engine:
         if request.detokenizer is not None:
             result = request.detokenizer.add_tokens(committed)
             text = result.text
-            if result.stop_index is not None:  # a stop string at or before that token wins
+            if result.stop_index is not None:  # a stop string (or a repeat) at or before that token wins
                 committed = committed[: result.stop_index + 1]
                 reason = (FinishReason.STOP, result.stop_string)
         request.output_ids.extend(committed)
@@ -964,9 +974,10 @@ def _fold(estimate: AcceptanceEstimate, tracker: AcceptanceTracker, num_drafts: 
         estimate.relax(tracker.values)
 
 
-def _seeded(rows: Sequence[Request]) -> bool:
-    """True when a row samples with its own seed (its text must not depend on load or timings)."""
-    return any(not r.params.is_greedy and r.params.seed is not None for r in rows)
+def _seeded(rows: Iterable[Request]) -> bool:
+    """True when a row has its own seed: its text must not depend on load or timings (a greedy one's too:
+    in bfloat16 rounding can break a near-tie either way)."""
+    return any(r.params.seed is not None for r in rows)
 
 
 def _committed_tokens(request: Request) -> list[int]:

@@ -54,6 +54,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k ≥ 0: the chosen token plus k alternatives
     skip_special_tokens: bool = True
     grammar: str | None = None  # an llguidance grammar (dflash2.grammar); None: unconstrained
+    # The string that ends each unit of the output (a tool call's closing tag): a unit that repeats an
+    # earlier one, surrounding whitespace aside, ends the request right before it (dflash2.detokenize).
+    repeat_marker: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", stop_strings(self.stop))
@@ -73,6 +76,7 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.repeat_marker is None or bool(self.repeat_marker.strip()), "repeat_marker must not be blank"),
             (
                 all(-100 <= v <= 100 for v in self.logit_bias.values()),
                 "logit_bias values must be in [-100, 100]",

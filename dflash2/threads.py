@@ -131,6 +131,7 @@ class ThreadGovernor:
     _slow_steps: int = 0
     _free: float | None = None  # cores others left free at the last read (None: unknown)
     _next_load_read: float = 0.0
+    _held: bool = False  # the last step ran at max_threads for a seeded request (before_step's hold)
 
     def __post_init__(self) -> None:
         if self.max_threads < 2:
@@ -156,11 +157,21 @@ class ThreadGovernor:
 
     @property
     def probing(self) -> bool:
-        """True while the step about to run (or just run) uses another count than :attr:`current`."""
+        """True while the step about to run (or just run) uses another count than :attr:`current` (or was
+        held at ``max_threads``)."""
         return self._applied != self.current
 
-    def before_step(self) -> int:
-        """Set the thread count of the next step (a probe starts here when one is due); returns it."""
+    def before_step(self, hold: bool = False) -> int:
+        """Set the thread count of the next step (a probe starts here when one is due); returns it.
+
+        ``hold``: the step runs at ``max_threads`` whatever the load (a seeded request runs: its
+        rounding, and so its text, must not follow the load); it starts no probe and teaches nothing."""
+        self._held = hold
+        if hold:
+            if self._applied != self.max_threads:
+                self.set_threads(self.max_threads)
+                self._applied = self.max_threads
+            return self.max_threads
         now = self.clock()
         if self.load is not None and now >= self._next_load_read:
             self._next_load_read = now + LOAD_PERIOD
@@ -187,6 +198,8 @@ class ThreadGovernor:
                 for a step that is not (a prefill in it, nothing decoded).
             seconds: the step's wall time.
         """
+        if self._held:
+            return
         probe = self._probe
         if probe is None:
             if shape is not None:

@@ -802,8 +802,8 @@ class ResponsesServing:
         if request.stream:
             return self.serving.event_stream(self._events(ResponseStream(response), generation, plan), generation)
         (state,) = await generation.collect()
-        content, calls = plan.parse(state.text)
         incomplete = state.finish_reason == "length"
+        content, calls = plan.parse(state.text, cut=incomplete)
         response.output = output_items(content, calls, incomplete)
         response.finish(usage_info(generation.num_prompt_tokens, [state]), incomplete)
         return JSONResponse(response.model_dump())
@@ -827,7 +827,9 @@ class ResponsesServing:
             tool_choice={"type": "function", "name": choice.function.name}
             if isinstance(choice, NamedToolChoice)
             else choice,
-            parallel_tool_calls=request.parallel_tool_calls is not False,
+            parallel_tool_calls=self.serving.default_parallel_tool_calls
+            if request.parallel_tool_calls is None
+            else request.parallel_tool_calls,
             temperature=chat.temperature,
             top_p=chat.top_p,
             max_output_tokens=request.max_output_tokens,
@@ -849,7 +851,7 @@ class ResponsesServing:
                 if streamer is not None:
                     text, calls = streamer.feed(text)
                     if output.finished:
-                        tail, more = streamer.finish()
+                        tail, more = streamer.finish(cut=output.finish_reason == "length")
                         text, calls = text + tail, calls + more
                 for event in stream.text(text) + stream.calls(calls):
                     yield event

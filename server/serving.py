@@ -268,8 +268,10 @@ class OpenAIServing:
         admission: Admission,
         tool_call_parser: str = "hermes",
         stream_send_timeout: float = 0.0,
+        default_parallel_tool_calls: bool = False,
     ) -> None:
         self.client = client
+        self.default_parallel_tool_calls = default_parallel_tool_calls
         self.stream_send_timeout = stream_send_timeout
         self.model = model
         self.admission = admission
@@ -299,14 +301,17 @@ class OpenAIServing:
         """Check and plan tools and structured outputs, render the template and submit."""
         self.model.check(request.model)
         _convert_param_errors(request.check)
-        plan = ToolPlan.for_request(request, self.tool_parser)
+        plan = ToolPlan.for_request(request, self.tool_parser, self.default_parallel_tool_calls)
         messages, kwargs = request.messages, request.chat_template_kwargs
 
         def prompt_ids() -> list[int]:  # on the tokenizer thread: schemas compile there too
             plan.check(self.model.grammar)
             return self._chat_prompt_ids(messages, kwargs, plan=plan)
 
-        return await self._start(request, "chatcmpl", prompt_ids, grammar=plan.grammar), plan
+        generation = await self._start(
+            request, "chatcmpl", prompt_ids, grammar=plan.grammar, repeat_marker=plan.repeat_marker
+        )
+        return generation, plan
 
     async def create_completion(self, request: CompletionRequest) -> Response:
         """``POST /v1/completions``."""
@@ -363,6 +368,7 @@ class OpenAIServing:
         prefix: str,
         prompt_ids: Callable[[], list[int]],
         grammar: str | None = None,
+        repeat_marker: str | None = None,
     ) -> Generation:
         """Check, admit, tokenize and submit; on any failure nothing stays admitted or queued."""
         self.model.check(request.model)
@@ -371,7 +377,7 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             ids = await self._on_tokenizer_thread(prompt_ids)
-            group = self._submit(request, ids, request_id, grammar)
+            group = self._submit(request, ids, request_id, grammar, repeat_marker)
         except BaseException:
             ticket.release()
             raise
@@ -381,12 +387,17 @@ class OpenAIServing:
         return Generation(request_id, int(time.time()), len(ids), group, ticket, states)
 
     def _submit(
-        self, request: SamplingRequest, prompt_ids: list[int], request_id: str, grammar: str | None = None
+        self,
+        request: SamplingRequest,
+        prompt_ids: list[int],
+        request_id: str,
+        grammar: str | None = None,
+        repeat_marker: str | None = None,
     ) -> RequestGroup:
         default_max_tokens = max(1, self.model.max_model_len - len(prompt_ids))
         params = _convert_param_errors(lambda: request.to_sampling_params(default_max_tokens))
-        if grammar is not None:
-            params = [dataclasses.replace(p, grammar=grammar) for p in params]
+        if grammar is not None or repeat_marker is not None:
+            params = [dataclasses.replace(p, grammar=grammar, repeat_marker=repeat_marker) for p in params]
         try:
             return self.client.submit(prompt_ids, params, request_id)
         except ContextLengthExceededError as exc:
@@ -475,7 +486,7 @@ class OpenAIServing:
     ) -> ChatCompletionResponse:
         choices = []
         for i, state in enumerate(states):
-            content, calls = plan.parse(state.text)
+            content, calls = plan.parse(state.text, cut=state.finish_reason == "length")
             tool_calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(**vars(c))) for c in calls]
             choices.append(
                 ChatChoice(
@@ -568,7 +579,7 @@ class OpenAIServing:
                 if streamer is not None:
                     text, calls = streamer.feed(text)
                     if output.finished:
-                        tail, more = streamer.finish()
+                        tail, more = streamer.finish(cut=output.finish_reason == "length")
                         text, calls = text + tail, calls + more
                 if text or (logprobs and logprobs.content):
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))

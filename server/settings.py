@@ -35,6 +35,9 @@ class ServerSettings:
             reading before the stream is ended and its request aborted (frees its concurrency
             slot and KV slot); 0 = wait forever.
         tool_call_parser: the format tool calls are prompted in, parsed from and constrained to.
+        default_parallel_tool_calls: ``parallel_tool_calls`` for requests that leave it out. False (as
+            llama.cpp's server): a tool-call turn is one call and ends after it on any model; OpenAI's
+            true only allows several, so one call is a valid reply either way.
         engine: the engine configuration.
     """
 
@@ -48,6 +51,7 @@ class ServerSettings:
     drain_timeout: float = 30.0
     stream_send_timeout: float = 60.0
     tool_call_parser: str = "hermes"
+    default_parallel_tool_calls: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -115,6 +119,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.tool_call_parser,
         help="tool-call format: hermes (<tool_call>{json}</tool_call>), llama3_json or pythonic",
     )
+    g.add_argument(
+        "--default-parallel-tool-calls",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.default_parallel_tool_calls,
+        help="parallel_tool_calls for requests that do not set it (default: off, as llama.cpp: a tool-call turn "
+        "is one call and ends after it; with it on, a turn of calls ends before a call that repeats one)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerSettings:
@@ -130,5 +141,6 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         drain_timeout=args.drain_timeout,
         stream_send_timeout=args.stream_send_timeout,
         tool_call_parser=args.tool_call_parser,
+        default_parallel_tool_calls=args.default_parallel_tool_calls,
         engine=engine,
     )

@@ -50,6 +50,11 @@ class ServerState:
         )
         self.client.observer = self.metrics
         self.serving = OpenAIServing(
-            self.client, model, self.admission, self.settings.tool_call_parser, self.settings.stream_send_timeout
+            self.client,
+            model,
+            self.admission,
+            self.settings.tool_call_parser,
+            self.settings.stream_send_timeout,
+            self.settings.default_parallel_tool_calls,
         )
         logger.info("serving %s (block size %d, max_model_len %d)", model.name, engine.block_size, model.max_model_len)

@@ -11,6 +11,12 @@
   it, otherwise the parser's system prompt (``ToolParser.system_prompt``);
 - how the output is read back: ``ToolParser.parse`` (unless ``tool_choice`` is ``none``).
 
+A turn always ends: with ``parallel_tool_calls`` false (the server's default unless
+``--default-parallel-tool-calls``) the grammar ends after one call, also in ``auto`` mode; a turn of
+parallel calls ends before a call that repeats an earlier one (``SamplingParams.repeat_marker`` in
+formats with a closing tag, and any repeat is dropped when the calls are read back); a reply cut by
+``max_tokens`` keeps its complete calls and drops the one it was writing.
+
 Schemas are checked against the loaded tokenizer before anything is submitted, so a schema the
 engine cannot compile is a 400 that names the field.
 """
@@ -67,6 +73,9 @@ class ToolPlan:
         checks: ``(field, schema)`` pairs to compile before submission, so errors name the field.
         calls_only: ``required`` or a named tool: the grammar allows nothing but calls, so a reply cut
             by ``max_tokens`` in the middle of a call has no content, only its complete calls.
+        parallel: several calls may follow each other (``parallel_tool_calls``, or the server's default).
+        repeat_marker: ``SamplingParams.repeat_marker`` for the engine (the format's closing tag of a
+            call), or None.
     """
 
     tools: list[FunctionTool] = field(default_factory=list)
@@ -74,10 +83,15 @@ class ToolPlan:
     grammar: str | None = None
     checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     calls_only: bool = False
+    parallel: bool = False
+    repeat_marker: str | None = None
 
     @classmethod
-    def for_request(cls, request: ChatCompletionRequest, parser: ToolParser) -> ToolPlan:
-        """Plan a validated chat request (``request.check()`` already ran).
+    def for_request(
+        cls, request: ChatCompletionRequest, parser: ToolParser, default_parallel: bool = False
+    ) -> ToolPlan:
+        """Plan a validated chat request (``request.check()`` already ran); ``default_parallel`` stands
+        for ``parallel_tool_calls`` when the request leaves it out.
 
         Raises:
             InvalidRequestError: a schema that is not a JSON object (names the field).
@@ -96,12 +110,14 @@ class ToolPlan:
         if answer is not None:
             plan.checks.append(("response_format.json_schema.schema", answer))
         choice = request.effective_tool_choice
-        parallel = request.parallel_tool_calls is not False
+        parallel = default_parallel if request.parallel_tool_calls is None else request.parallel_tool_calls
         if choice == "none" or not tools:
             plan.grammar = _json_grammar(answer, "response_format.json_schema.schema") if answer else None
             return plan
         plan.parser = parser
         plan.calls_only = choice == "required" or isinstance(choice, NamedToolChoice)
+        plan.parallel = parallel and not isinstance(choice, NamedToolChoice)
+        plan.repeat_marker = parser.CALL_END if plan.parallel else None
         try:
             if isinstance(choice, NamedToolChoice):
                 forced = [t for t in tools if t.name == choice.function.name]
@@ -155,33 +171,60 @@ class ToolPlan:
             for t in self.tools
         ]
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """Content and tool calls of one choice's output (no calls when tools are not parsed)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
+        """Content and tool calls of one choice's output (no calls when tools are not parsed); ``cut``:
+        the output ended by ``max_tokens`` (a call it was writing is dropped). A call that repeats an
+        earlier one (name and arguments) is dropped."""
         if self.parser is None:
             return text, []
-        content, calls = self.parser.parse(text)
-        return (None if self.calls_only else content), calls
+        content, calls = self.parser.parse(text, cut)
+        return (None if self.calls_only else content), _distinct(calls, [])
 
     def streamer(self) -> ToolCallStreamer | None:
         """An incremental parser for one streamed choice (None when tools are not parsed)."""
         if self.parser is None:
             return None
-        return _CallsOnly(self.parser.streamer()) if self.calls_only else self.parser.streamer()
+        return _Distinct(self.parser.streamer(), drop_content=self.calls_only)
 
 
-class _CallsOnly(ToolCallStreamer):
-    """A streamer whose content is dropped: under a calls-only grammar, text outside complete calls
-    can only be a call cut short by ``max_tokens``."""
+class _Distinct(ToolCallStreamer):
+    """A streamer that passes each call once (a repeat of an earlier call is dropped) and, with
+    ``drop_content`` (a calls-only grammar, where text outside complete calls can only be a call cut
+    short by ``max_tokens``), no content."""
 
-    def __init__(self, inner: ToolCallStreamer) -> None:
+    def __init__(self, inner: ToolCallStreamer, drop_content: bool) -> None:
         super().__init__()
         self.inner = inner
+        self.drop_content = drop_content
+        self.seen: list[ParsedToolCall] = []
 
     def _feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
-        return "", self.inner.feed(text)[1]
+        content, calls = self.inner.feed(text)
+        return ("" if self.drop_content else content), _distinct(calls, self.seen)
 
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
-        return "", self.inner.finish()[1]
+    def _finish(self, cut: bool) -> tuple[str, list[ParsedToolCall]]:
+        content, calls = self.inner.finish(cut)
+        return ("" if self.drop_content else content), _distinct(calls, self.seen)
+
+
+def _distinct(calls: list[ParsedToolCall], seen: list[ParsedToolCall]) -> list[ParsedToolCall]:
+    """The calls whose name and arguments (as JSON values: key order aside) are not those of a call in
+    ``seen`` or earlier in ``calls``; ``seen`` grows by them."""
+    new = []
+    for call in calls:
+        if not any(call.name == old.name and _same_arguments(call, old) for old in seen):
+            seen.append(call)
+            new.append(call)
+    return new
+
+
+def _same_arguments(a: ParsedToolCall, b: ParsedToolCall) -> bool:
+    if a.arguments == b.arguments:
+        return True
+    try:
+        return bool(json.loads(a.arguments) == json.loads(b.arguments))
+    except ValueError:
+        return False
 
 
 def with_tool_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:

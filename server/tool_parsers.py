@@ -138,16 +138,18 @@ class ToolCallStreamer(ABC):
         content, calls = self._feed(text)
         return self._trim(content), calls
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """End of generation -> (remaining content, remaining calls); trailing whitespace is dropped."""
-        content, calls = self._finish()
+    def finish(self, cut: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        """End of generation -> (remaining content, remaining calls); trailing whitespace is dropped.
+        ``cut``: the generation was cut by its token limit, so a call it was writing is dropped (see
+        ``ToolParser.parse``)."""
+        content, calls = self._finish(cut)
         return self._trim(content), calls
 
     @abstractmethod
     def _feed(self, text: str) -> tuple[str, list[ParsedToolCall]]: ...
 
     @abstractmethod
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]: ...
+    def _finish(self, cut: bool) -> tuple[str, list[ParsedToolCall]]: ...
 
 
 class _HermesStreamer(ToolCallStreamer):
@@ -180,13 +182,16 @@ class _HermesStreamer(ToolCallStreamer):
             self._buf, self._in_call = self._buf[end:], False
         return "".join(content), calls
 
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
+    def _finish(self, cut: bool) -> tuple[str, list[ParsedToolCall]]:
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         if self._in_call:
-            self._decide(self._buf, content, calls)
-        else:
+            if not cut:  # a block cut by the token limit is neither a call nor content
+                self._decide(self._buf, content, calls)
+        elif not cut:
             content.append(self._buf)
+        else:  # the held text is at most the start of "<tool_call>", which the limit cut
+            content.append(self._buf[: len(self._buf) - _partial_suffix(self._buf, HermesToolParser.OPEN)])
         self._buf, self._in_call = "", False
         return "".join(content), calls
 
@@ -222,10 +227,16 @@ class _WholeOutputStreamer(ToolCallStreamer):
             return text, []
         return "", []
 
-    def _finish(self) -> tuple[str, list[ParsedToolCall]]:
-        content, calls = self._parser.parse(self._buf) if self._mode != "content" else (None, [])
+    def _finish(self, cut: bool) -> tuple[str, list[ParsedToolCall]]:
+        content, calls = self._parser.parse(self._buf, cut) if self._mode != "content" else (None, [])
         self._buf = ""
         return content or "", calls
+
+
+def _starts_like(text: str, markers: tuple[str, ...]) -> bool:
+    """True when ``text`` (after whitespace) starts with one of ``markers`` or is the start of one."""
+    head = text.lstrip()
+    return any(head.startswith(m) or (head and m.startswith(head)) for m in markers)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -241,6 +252,9 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
     _INSTRUCTIONS: ClassVar[str]  # how to write calls, placed after the tool listing in system_prompt
+    # The text that ends every call, when the format has one (SamplingParams.repeat_marker: a call that
+    # repeats an earlier one of the same reply ends the reply before it).
+    CALL_END: ClassVar[str | None] = None
 
     def system_prompt(self, tools: Sequence[FunctionTool]) -> str:
         """System-message text for templates that do not render ``tools``: each tool as one JSON line
@@ -264,9 +278,11 @@ class ToolParser(ABC):
         return f"<tool_response>\n{content}\n</tool_response>"
 
     @abstractmethod
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
         """Whole generated text -> (content outside the calls, stripped, None when empty; calls in order).
-        Text that does not form a valid call (arguments must be a JSON object) stays content; never raises."""
+        Text that does not form a valid call (arguments must be a JSON object) stays content; never raises.
+        ``cut``: the text was cut by the token limit, so a call it ends in the middle of (or the start of
+        one) is dropped: neither a call nor content; the complete calls before it are kept."""
 
     @abstractmethod
     def streamer(self) -> ToolCallStreamer:
@@ -278,8 +294,9 @@ class ToolParser(ABC):
         """An llguidance lark grammar constraining the output, or None when generation is unconstrained.
 
         ``required``: only tool calls (exactly one unless ``parallel``), every tool's arguments valid for its schema.
-        Otherwise ("auto"): free text or calls, a call's arguments constrained for ``strict`` tools only (others:
-        any object); None when no tool is strict and ``answer`` is None. ``answer`` (a lark expression such as
+        Otherwise ("auto"): free text or calls (at most one unless ``parallel``), a call's arguments constrained
+        for ``strict`` tools only (others: any object); None when calls may be parallel, no tool is strict and
+        ``answer`` is None. ``answer`` (a lark expression such as
         ``%json {...}``) replaces free text in auto mode, so the output is either the answer or calls.
         Raises ValueError when ``required`` with no tools, or when the format cannot express a tool (pythonic).
         """
@@ -287,7 +304,7 @@ class ToolParser(ABC):
             if required:
                 raise ValueError("a required tool call needs at least one tool")
             return None if answer is None else f"%llguidance {{}}\nstart: answer\nanswer: {answer}\n"
-        if not required and answer is None and not any(t.strict for t in tools):
+        if not required and answer is None and parallel and not any(t.strict for t in tools):
             return None
         lines = ["%llguidance {}"]
         lines += self._start(required, parallel, answer is not None and not required)
@@ -314,6 +331,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN: ClassVar[str] = "<tool_call>"
     CLOSE: ClassVar[str] = "</tool_call>"
+    CALL_END = CLOSE
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
     _INSTRUCTIONS = (
         "For each function call, return a JSON object with the function name and arguments within "
@@ -338,12 +356,18 @@ class HermesToolParser(ToolParser):
             for c in calls
         )
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """Blocks with a valid call become calls; the text around them (and invalid blocks) is content."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
+        """Blocks with a valid call become calls; the text around them (and invalid blocks) is content.
+        With ``cut``, an unclosed last block (or the start of ``<tool_call>`` at the end) is dropped."""
+        if cut:
+            text = text[: len(text) - _partial_suffix(text, self.OPEN)]
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         last = 0
         for match in self._BLOCK.finditer(text):
+            if cut and match.group(2) is not None:
+                text = text[: match.start()]
+                break
             call = self.parse_block(match.group(0))
             if call is not None:
                 content.append(text[last : match.start()])
@@ -412,8 +436,9 @@ class Llama3JsonToolParser(_WholeOutputParser):
             json.dumps({"name": c.name, "parameters": _load_args(c.arguments)}, ensure_ascii=False) for c in calls
         )
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """All calls, or (when any part is not a valid call) the whole text as content."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
+        """All calls, or (when any part is not a valid call) the whole text as content. With ``cut``, text
+        that starts like calls gives its complete calls and nothing else."""
         rest = text.lstrip().removeprefix(self.PYTHON_TAG).lstrip()
         calls: list[ParsedToolCall] = []
         pos = 0
@@ -432,6 +457,8 @@ class Llama3JsonToolParser(_WholeOutputParser):
             if rest[pos] != ";":
                 break
             pos = len(rest) - len(rest[pos + 1 :].lstrip())
+        if cut and _starts_like(text, self._MARKERS):
+            return None, calls
         return text.strip() or None, []
 
     def _tool_rules(self, index: int, tool: FunctionTool, constrain: bool) -> list[str]:
@@ -463,17 +490,34 @@ class PythonicToolParser(_WholeOutputParser):
             rendered.append(f"{c.name}({kwargs})")
         return "[" + ", ".join(rendered) + "]"
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """All calls of a non-empty list, or (when the text is anything else) the whole text as content."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
+        """All calls of a non-empty list, or (when the text is anything else) the whole text as content.
+        With ``cut``, a list the limit cut gives the calls complete before the cut and nothing else."""
         stripped = text.strip()
-        if stripped.startswith("["):
-            try:
-                tree = ast.parse(stripped, mode="eval").body
-                if isinstance(tree, ast.List) and tree.elts:
-                    return None, [self._call(node) for node in tree.elts]
-            except (SyntaxError, ValueError, RecursionError, MemoryError):
-                pass
+        calls = self._calls(stripped)
+        if calls is not None:
+            return None, calls
+        if cut and stripped.startswith("["):
+            ends = [i for i, char in enumerate(stripped) if char == ")"]
+            for end in reversed(ends):  # the longest prefix of whole calls, closed
+                calls = self._calls(stripped[: end + 1] + "]")
+                if calls is not None:
+                    return None, calls
+            return None, []
         return stripped or None, []
+
+    @classmethod
+    def _calls(cls, text: str) -> list[ParsedToolCall] | None:
+        """The calls of ``text`` when it is a non-empty list of valid calls, else None."""
+        if not text.startswith("["):
+            return None
+        try:
+            tree = ast.parse(text, mode="eval").body
+            if isinstance(tree, ast.List) and tree.elts:
+                return [cls._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            pass
+        return None
 
     @classmethod
     def _call(cls, node: ast.expr) -> ParsedToolCall:

@@ -94,6 +94,9 @@ def test_a_seeded_sampled_request_keeps_the_full_block_and_its_text():
     assert width == 8  # the whole batch verifies full blocks while the seeded request runs
     assert first_width([free] * 4)[0] == 1  # without it, this compute-bound batch would not draft
     assert mixed[1].token_ids == LLM.from_engine(fixed).generate(PROMPTS[1], seeded)[0].token_ids
+    # A seed asks for the same text on a greedy request too (in bfloat16 a width can break a near-tie).
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, seed=1)
+    assert first_width([free, greedy, free, free])[0] == 8
 
 
 def test_start_up_costs_are_timed_in_interleaved_rounds(monkeypatch):

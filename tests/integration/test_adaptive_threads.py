@@ -67,3 +67,23 @@ def test_busy_cores_run_steps_at_one_thread_with_the_same_tokens(target):
     assert counts[0] == 1 and set(counts) == {1}
     assert engine.threads.current == 1 and engine.threads.switches >= 1
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_a_seeded_request_runs_at_the_configured_count_on_busy_cores(target):
+    """Busy cores move the governor to 1 thread; a seeded request's steps (prefill included) still run at
+    2, as on idle cores, so its rounding does not follow the load; the unseeded ones go on at 1."""
+    engine = tiny_engine(target, tiny_drafter(target, 2, 4), 4, adaptive_threads=True)
+    applied: list[int] = []
+    now = [0.0]
+    engine.threads = ThreadGovernor(2, set_threads=applied.append, load=lambda: 1.9, num_cpus=2, clock=lambda: now[0])
+    llm = LLM.from_engine(engine)
+    counts: list[int] = []
+    llm.generate(PROMPTS[0], GREEDY, on_step=lambda r: counts.append(r.stats.num_threads))
+    assert engine.threads.current == 1 and set(counts) == {1}
+    counts.clear()
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    llm.generate(PROMPTS[1], seeded, on_step=lambda r: counts.append(r.stats.num_threads))
+    assert set(counts) == {2} and applied[-1] == 2
+    counts.clear()
+    llm.generate(PROMPTS[0], GREEDY, on_step=lambda r: counts.append(r.stats.num_threads))
+    assert set(counts) == {1} and engine.threads.current == 1

@@ -121,6 +121,26 @@ def test_completed_grammar_ends_the_request_even_with_ignore_eos(wide_target, sm
     assert output.text in ("yes", "no") and output.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_a_call_that_repeats_an_earlier_one_ends_the_request_before_it(wide_target, smollm2_tokenizer, block_size):
+    """The grammar allows only one call, written again and again; EOS is banned until token 60 (min_tokens).
+    With the call's closing tag as ``repeat_marker`` the request ends after the first call; without it, the
+    same request writes the call again."""
+    one = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    grammar = lark_grammar(f'start: call ("\\n" call)*\ncall: {json.dumps(one)}')
+    drafter = tiny_drafter(wide_target, 2, block_size=block_size) if block_size > 1 else None
+    engine = tiny_engine(wide_target, drafter, block_size, eos=(2,), tokenizer=smollm2_tokenizer)
+    base = SamplingParams(max_tokens=80, min_tokens=60, temperature=1.0, seed=4, grammar=grammar)
+    guarded = LLM.from_engine(engine).generate(
+        [[1, 2, 3]], SamplingParams(**{**base.__dict__, "repeat_marker": "</tool_call>"})
+    )[0]
+    assert guarded.text == one and guarded.finish_reason == "stop" and guarded.stop_reason is None
+    # The tokens that wrote the repeat count (as a stop string's do); none of its text is returned.
+    assert len(guarded.token_ids) > len(smollm2_tokenizer.encode(one))
+    unguarded = LLM.from_engine(engine).generate([[1, 2, 3]], base)[0]
+    assert unguarded.text.startswith(f"{one}\n{one}")
+
+
 def test_a_grammar_that_does_not_compile_is_refused_at_submission(wide_target, smollm2_tokenizer):
     engine = tiny_engine(wide_target, None, tokenizer=smollm2_tokenizer)
     bad = json_schema_grammar({"type": "object", "properties": {"a": {"type": "frobnicate"}}})

@@ -150,21 +150,20 @@ def _run_openai_agent(base_url: str, api: str) -> None:
                 instructions="Answer questions about the weather. Use the tool.",
                 tools=[function_tool(get_weather)],
                 model=model_class(model=MODEL, openai_client=client),
-                # required for the first turn; the SDK resets it afterwards (reset_tool_choice). One call:
-                # a small model repeats parallel calls until max_tokens, an incomplete reply for Responses.
-                model_settings=ModelSettings(
-                    tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0
-                ),
-                # The Responses model raises on a reply cut by max_output_tokens (status incomplete),
-                # and a 135M model's prose rarely ends within 60 tokens: there the tool's output is the
-                # answer. Chat completions accept a length-cut reply, so that run takes the full loop.
-                tool_use_behavior="stop_on_first_tool" if api == "responses" else "run_llm_again",
+                # Required for the first turn; the SDK resets it afterwards (reset_tool_choice), so the
+                # second turn answers in text. parallel_tool_calls is left to the server (one call a turn):
+                # the first turn ends after its call instead of running to max_tokens, which the Responses
+                # model would raise on (status incomplete).
+                model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
+                tool_use_behavior="run_llm_again",
             )
             return await Runner.run(agent, QUESTION, max_turns=4)
 
     result = asyncio.run(run())
     assert CALLS, "the tool was never called"
     assert isinstance(result.final_output, str) and result.final_output
+    # Two turns: the call, then the answer (the tool's result went back to the model).
+    assert len(result.raw_responses) == 2
 
 
 def test_openai_agents_chat_completions(base_url):

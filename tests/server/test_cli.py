@@ -58,6 +58,9 @@ def test_flags_build_the_settings():
             engine_config_from_args(dflash2_parser().parse_args(["serve", *argv]))
     defaults = settings_from_args(server_parser().parse_args([]), engine_config_from_args(args))
     assert (defaults.host, defaults.port, defaults.api_key) == ("127.0.0.1", 8000, None)
+    assert defaults.default_parallel_tool_calls is False
+    parallel = dflash2_parser().parse_args(["serve", "--default-parallel-tool-calls"])
+    assert settings_from_args(parallel, engine_config_from_args(parallel)).default_parallel_tool_calls is True
     with pytest.raises(SystemExit):
         dflash2_parser().parse_args(["serve", "--metrics-compat", "sglang"])
     with pytest.raises(ValueError, match="max_concurrency"):

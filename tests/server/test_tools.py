@@ -212,16 +212,66 @@ def test_retrieve_model(client):
         client.models.retrieve("gpt-4o")
 
 
-def test_a_forced_call_cut_by_max_tokens_leaves_no_content(client):
-    """Parallel calls are allowed, so the model repeats its call until max_tokens cuts one short: the
-    reply keeps its complete calls and ``length``, and the cut text is not content."""
-    response = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)
-    choice = response.choices[0]
-    assert choice.message.content is None
-    assert choice.message.tool_calls
-    stream = chat(client, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0, stream=True)
-    contents = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
-    assert contents == []
+def stream_choice(client: openai.OpenAI, **fields) -> tuple[str, str, list]:
+    """A streamed chat turn: (finish_reason, content, calls as (name, arguments) in index order)."""
+    finish, content, calls = None, "", {}
+    for chunk in chat(client, stream=True, **fields):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                name, arguments = calls.get(delta.index, ("", ""))
+                calls[delta.index] = (name + (delta.function.name or ""), arguments + (delta.function.arguments or ""))
+    return finish, content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_neither_a_call_nor_content(client, stream):
+    """12 tokens cannot hold a whole call: the reply is cut, keeps ``length`` and returns nothing."""
+    fields = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 12, "temperature": 0}
+    if stream:
+        finish, content, calls = stream_choice(client, **fields)
+    else:
+        choice = chat(client, **fields).choices[0]
+        finish, content, calls = choice.finish_reason, choice.message.content, choice.message.tool_calls
+    assert finish == "length" and not content and not calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_turns_end_with_one_valid_call_by_default(client, stream):
+    """``parallel_tool_calls`` left out (the server's default, false): six sampled required turns at
+    ``max_tokens`` 96 each end after one schema-valid call, instead of writing calls until the limit."""
+    schemas = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME["function"]["parameters"]}
+    for seed in range(6):
+        fields = {"tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 96, "temperature": 1.0}
+        if stream:
+            finish, content, calls = stream_choice(client, seed=seed, **fields)
+        else:
+            choice = chat(client, seed=seed, **fields).choices[0]
+            finish, content = choice.finish_reason, choice.message.content
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert finish == "tool_calls" and not content, (seed, calls)
+        ((name, arguments),) = calls
+        jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_parallel_turn_ends_before_it_repeats_a_call(client, stream):
+    """``ping`` takes no arguments, so every second call of a parallel turn repeats the first: the turn
+    ends there (``tool_calls``, well before ``max_tokens``) with the one call."""
+    for seed in range(3):
+        fields = {"tools": [PING], "tool_choice": "required", "parallel_tool_calls": True, "max_tokens": 96}
+        if stream:
+            finish, _, calls = stream_choice(client, seed=seed, temperature=1.0, **fields)
+        else:
+            response = chat(client, seed=seed, temperature=1.0, **fields)
+            finish = response.choices[0].finish_reason
+            calls = [(c.function.name, c.function.arguments) for c in response.choices[0].message.tool_calls or []]
+            assert response.usage.completion_tokens < 96
+        assert finish == "tool_calls" and calls == [("ping", "{}")], seed
 
 
 def test_responses_errors_name_the_responses_field_in_param_and_message(real_server):

@@ -327,3 +327,39 @@ def test_random_chunking_matches_reference(tok: Any, seed: int) -> None:
     assert stop in tok.decode(ids[:consumed])
     assert stop not in tok.decode(ids[: consumed - 1])
     assert all("\ufffd" not in piece for piece in texts)
+
+
+# ---- repeated units (tool calls that repeat an earlier call) --------------------------------------------
+
+CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_B = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_a_repeated_unit_ends_the_output_before_it(tok: Any, chunk: int) -> None:
+    text = f"{CALL_A}\n{CALL_B}\n{CALL_A}\n{CALL_B}"
+    ids = encode(tok, text)
+    detok = IncrementalDetokenizer(tok, PROMPT_IDS, repeat_marker="</tool_call>")
+    texts, results, flushed = stream(detok, ids, chunk)
+    assert flushed == "" and results[-1].repeated and results[-1].stop_string is None
+    # No part of the repeat was ever emitted: the output ends with the second call.
+    assert "".join(texts) == f"{CALL_A}\n{CALL_B}"
+    # The token that completed the repeat is the last one taken.
+    taken = chunk * (len(results) - 1) + results[-1].stop_index + 1
+    assert tok.decode(ids[:taken]).endswith("</tool_call>") and taken < len(ids)
+
+
+def test_distinct_units_pass_and_a_cut_unit_is_released_by_flush(tok: Any) -> None:
+    text = f"{CALL_A}\n{CALL_B}\n{CALL_A[:30]}"
+    detok = IncrementalDetokenizer(tok, PROMPT_IDS, repeat_marker="</tool_call>")
+    texts, results, flushed = stream(detok, encode(tok, text), 4)
+    assert not any(r.repeated for r in results)
+    assert "".join(texts) == f"{CALL_A}\n{CALL_B}"  # the start of a possible repeat was held back
+    assert "".join(texts) + flushed == text
+
+
+def test_a_unit_that_differs_from_every_earlier_one_streams_before_its_marker(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, PROMPT_IDS, repeat_marker="</tool_call>")
+    first = detok.add_tokens(encode(tok, CALL_A + "\n")).text
+    second = detok.add_tokens(encode(tok, "<tool_call>\nplain text that is no call")).text
+    assert first == CALL_A and "plain text" in second

@@ -97,6 +97,27 @@ def test_a_load_reading_moves_down_before_any_slow_step_and_blocks_probes_up():
     assert governor.current == 2 and counts.index(2) < 100  # the freed cores call a probe at once
 
 
+def test_held_steps_run_at_every_thread_whatever_the_load_and_teach_nothing():
+    """A seeded request's steps (hold) run at the configured count on busy cores, and the governor's own
+    choice is back for the steps after them."""
+    machine = Machine({2: 0.010, 1: 0.013})
+    governor = machine.governor()
+    machine.run(governor, 150)
+    machine.others = 1.8
+    machine.cost = {2: 0.200, 1: 0.025}
+    machine.run(governor, 400)
+    assert governor.current == 1
+    held = []
+    for _ in range(50):
+        threads = governor.before_step(hold=True)
+        machine.now += machine.cost[threads]
+        governor.after_step(SHAPE, machine.cost[threads])
+        held.append(threads)
+    assert held == [2] * 50 and machine.applied[-1] == 2
+    assert governor.current == 1  # 50 slow steps at 2 threads were no reason to move
+    assert machine.run(governor, 5) == [1] * 5 and machine.applied[-1] == 1
+
+
 def test_a_catastrophic_probe_step_ends_the_probe():
     """Timings only: a probe of two threads on shared cores stops after its first slow step."""
     machine = Machine({2: 0.010, 1: 0.013}, others=None)

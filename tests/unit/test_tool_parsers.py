@@ -309,6 +309,14 @@ def matcher() -> Any:
         ids = tok.encode(text, add_special_tokens=False)
         return bool(m.try_consume_tokens(ids) == len(ids) and m.is_accepting())
 
+    def ends_after(lark: str | None, text: str) -> bool:
+        """Whether the grammar accepts the text and allows nothing after it (the engine ends the request)."""
+        assert lark is not None
+        m = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(lark))
+        ids = tok.encode(text, add_special_tokens=False)
+        return bool(m.try_consume_tokens(ids) == len(ids) and m.is_stopped() and not m.is_error())
+
+    accepts.ends_after = ends_after  # type: ignore[attr-defined]
     return accepts
 
 
@@ -430,3 +438,65 @@ def test_grammar_resolves_schema_refs(matcher: Any) -> None:
         lark = parser.grammar([tool], required=True, parallel=False)
         assert matcher(lark, parser.format_calls([call("move", at={"x": 1.5})])), name
         assert not matcher(lark, parser.format_calls([call("move", at={"x": "1"})])), name
+
+
+# --- replies cut by max_tokens ---------------------------------------------------------------------------------------
+
+CUT_TEXTS = {
+    # (text, the complete calls before the cut): the call being written when the limit hit is dropped.
+    "hermes": [
+        (
+            tool_call('{"name": "get_weather", "arguments": {"city": "Paris"}}') + '\n<tool_call>\n{"name": "get_',
+            [PARIS],
+        ),
+        (tool_call('{"name": "get_weather", "arguments": {"city": "Paris"}}') + "\n<tool_c", [PARIS]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', []),  # valid JSON, no closing tag
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time2", "param', [PARIS]),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Par', []),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris"), get_time2(zone="Europe/', [PARIS]),
+        ('[get_weather(city="Par', []),
+    ],
+}
+
+
+@pytest.mark.parametrize(("name", "text", "calls"), [(n, t, c) for n, cases in CUT_TEXTS.items() for t, c in cases])
+def test_a_reply_cut_by_the_limit_keeps_complete_calls_and_drops_the_cut_one(
+    name: str, text: str, calls: list[ParsedToolCall]
+) -> None:
+    parser = get_tool_parser(name)
+    assert parser.parse(text, cut=True) == (None, calls)
+    for size in (1, 7, len(text)):
+        streamer = parser.streamer()
+        content, streamed = "", []
+        for start in range(0, len(text), size):
+            delta, new = streamer.feed(text[start : start + size])
+            content, streamed = content + delta, streamed + new
+        delta, new = streamer.finish(cut=True)
+        assert (content + delta, streamed + new) == ("", calls)
+
+
+def test_text_before_a_cut_call_stays_content() -> None:
+    text = "Let me check.\n" + '<tool_call>\n{"name": "get_weather", "argu'
+    assert get_tool_parser("hermes").parse(text, cut=True) == ("Let me check.", [])
+    assert get_tool_parser("hermes").parse(text) == (text, [])  # not cut (a model that stopped): content
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_one_call_auto_grammar_exists_without_strict_tools_and_ends_after_the_call(name: str, matcher: Any) -> None:
+    parser = get_tool_parser(name)
+    one = parser.format_calls([call("get_time2", zone="UTC")])
+    lark = parser.grammar([CLOCK], required=False, parallel=False)
+    assert matcher(lark, one) and matcher.ends_after(lark, one)
+    assert matcher(lark, "No tool is needed.")
+    assert not matcher(lark, parser.format_calls([call("get_time2"), call("get_time2", zone="UTC")]))
+    required = parser.grammar([CLOCK, WEATHER], required=True, parallel=False)
+    assert matcher.ends_after(required, parser.format_calls([PARIS]))
+    if name != "pythonic":  # its list ends with "]" either way
+        parallel = parser.grammar([CLOCK, WEATHER], required=True, parallel=True)
+        assert matcher(parallel, parser.format_calls([PARIS])) and not matcher.ends_after(
+            parallel, parser.format_calls([PARIS])
+        )
