@@ -879,8 +879,9 @@ class Engine:
         """Advance the request's matcher token by token; returns the tokens it took and why it ended.
 
         A grammar that completes (``is_stopped``: nothing may follow) ends the request there with
-        ``stop``, so where the block boundaries fall never changes the output. Every token was sampled
-        under the masks, so a refusal is a bug: logged, and that request alone ends (``abort``).
+        ``stop``, so where the block boundaries fall never changes the output; with ``length`` when a
+        token was sampled under the budget rule (the budget, not the model, closed it). Every token was
+        sampled under the masks, so a refusal is a bug: logged, and that request alone ends (``abort``).
         """
         matcher = request.matcher
         for i, token in enumerate(token_ids):
@@ -888,8 +889,11 @@ class Engine:
                 error = matcher.get_error()
                 logger.error("request %s: the grammar refused a committed token: %s", request.request_id, error)
                 return token_ids[:i], (FinishReason.ABORT, None)
+            if request.closing_from is not None and i >= request.closing_from:
+                request.budget_closed = True
             if matcher.is_stopped():
-                return token_ids[: i + 1], (FinishReason.STOP, None)
+                reason = FinishReason.LENGTH if request.budget_closed else FinishReason.STOP
+                return token_ids[: i + 1], (reason, None)
         return token_ids, None
 
     @staticmethod
@@ -933,7 +937,11 @@ class Engine:
         if self.grammar is None or all(r.matcher is None for r in rows):
             return None
         start = time.perf_counter()
-        allowed = self.grammar.masks([r.matcher for r in rows], drafts, num_positions)
+        closing: list[int | None] = []
+        budgets = [r.remaining_tokens for r in rows]
+        allowed = self.grammar.masks([r.matcher for r in rows], drafts, num_positions, budgets, closing)
+        for request, first in zip(rows, closing):
+            request.closing_from = first
         stats.grammar_time += time.perf_counter() - start
         return allowed
 

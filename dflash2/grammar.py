@@ -16,6 +16,22 @@ the bonus token comes from p′, so the output is distributed exactly as masked 
 (the argument of dflash2-spec.md §5.2 with p′ for p). The matcher itself advances only by committed
 tokens; a rejected draft never touches it, so nothing needs rolling back.
 
+**Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend
+knows the tokens left r (this one included). From the matcher's state it walks a *closing path*: the
+bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` and then any
+printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms). D, what the grammar needs
+to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing changes; from then
+on only tokens that follow the path are allowed, and only those after which the rest of the path fits
+in r − 1 tokens (where the grammar may already end, nothing is restricted: free text may go on). The
+walk is a function of the state, so the rest of the path after such a token is the walk from the
+state it leads to: the output closes within the budget and parses, however it ends. The reserve
+leaves room for a free token that raises D (opening an object whose keys are required); a single
+token that raises it by more than the reserve right at the edge is the one case that can still end
+unclosed (as does a ``max_tokens`` below the shortest valid output). The mask is a function of the state
+and of r, both the same for a drafted position and for target-only decoding, so speculation stays
+lossless with respect to this masked distribution. A request whose output was closed this way
+finishes with ``length`` (``Engine._advance_grammar``): the budget, not the model, ended it.
+
 Peers: vLLM's structured outputs with speculative decoding (``grammar_bitmask`` along the drafts),
 SGLang's ``generate_token_bitmask``; llguidance: https://github.com/guidance-ai/llguidance.
 """
@@ -35,6 +51,13 @@ logger = logging.getLogger(__name__)
 # JSON is written the way json.dumps writes it, with no free whitespace: small models otherwise
 # loop on spaces and newlines inside an object that the grammar cannot end for them.
 JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+# Tokens the budget rule keeps in hand beyond what the closing path needs (see the module docstring).
+BUDGET_RESERVE = 3
+# The longest closing path walked (bytes); a grammar that needs more is not budgeted.
+MAX_CLOSING_BYTES = 256
+# Bytes the closing walk tries first, in order, when the grammar forces none.
+_CLOSERS = tuple(b'"}])>0') + tuple(range(32, 127))
 
 
 # Keys whose values are data, not subschemas (close_objects leaves them alone).
@@ -110,6 +133,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
         self._lock = threading.Lock()
+        self._byte_tokens: dict[int, int] | None = None  # byte → its single-byte token
+        self._by_bytes: dict[bytes, list[int]] | None = None  # a token's bytes → the tokens with those bytes
 
     @property
     def llg_tokenizer(self) -> Any:
@@ -144,7 +169,12 @@ class GrammarBackend:
         return matcher
 
     def masks(
-        self, matchers: Sequence[Any | None], drafts: Sequence[Sequence[int]], num_positions: int
+        self,
+        matchers: Sequence[Any | None],
+        drafts: Sequence[Sequence[int]],
+        num_positions: int,
+        budgets: Sequence[int] | None = None,
+        closing: list[int | None] | None = None,
     ) -> torch.Tensor:
         """Allowed-token masks for a batch of blocks.
 
@@ -153,6 +183,10 @@ class GrammarBackend:
             drafts: per row, the drafted tokens after the anchor (position j's mask is the state after
                 ``drafts[r][:j]``); at most ``num_positions − 1`` each.
             num_positions: L, positions per row.
+            budgets: per row, the tokens it may still emit counting position 0's (``max_tokens`` left);
+                None: no budget rule.
+            closing: filled, when given, with each row's first position whose mask the budget rule
+                restricted (None where it restricted none).
 
         Returns:
             ``[R, L, V]`` bool, True where a token is allowed. Unconstrained rows, and positions after a
@@ -162,6 +196,8 @@ class GrammarBackend:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((num_rows * num_positions, words), -1, dtype=torch.int32)
         row_bytes = words * bitmask.element_size()
+        if closing is not None:
+            closing[:] = [None] * num_rows
         for r, matcher in enumerate(matchers):
             if matcher is None:
                 continue
@@ -171,6 +207,9 @@ class GrammarBackend:
             for j in range(num_positions):
                 row = bitmask[r * num_positions + j]
                 matcher.unsafe_compute_mask_ptr(row.data_ptr(), row_bytes)
+                restricted = budgets is not None and self._budget_mask(matcher, row, budgets[r] - j)
+                if restricted and closing is not None and closing[r] is None:
+                    closing[r] = j
                 if j == len(drafts[r]) or j == num_positions - 1:
                     break
                 token = int(drafts[r][j])
@@ -181,6 +220,88 @@ class GrammarBackend:
             if consumed:
                 matcher.rollback(consumed)
         return unpack_bitmask(bitmask, self.vocab_size).view(num_rows, num_positions, self.vocab_size)
+
+    def _budget_mask(self, matcher: Any, row: torch.Tensor, left: int) -> bool:
+        """Restrict one position's mask ``row`` (the matcher's state; ``left`` tokens left, this one
+        included) to tokens that close the grammar in time, once the budget is that close; True when it did."""
+        if left > MAX_CLOSING_BYTES + BUDGET_RESERVE:  # no closing path is that long: nothing to check
+            return False
+        path = self.closing_bytes(matcher)
+        if not path:  # no path found, or the grammar may end here (free text may go on)
+            return False
+        tokenizer = self.llg_tokenizer
+        if left > len(tokenizer.tokenize_bytes(path)) + BUDGET_RESERVE:
+            return False
+        by_bytes = self._tokens_by_bytes()
+        prefixes = [(k, by_bytes.get(path[:k], [])) for k in range(1, len(path) + 1)]
+        keep = [t for k, ids in prefixes if len(tokenizer.tokenize_bytes(path[k:])) <= left - 1 for t in ids]
+        if not keep:  # too late to fit: close as fast as the path goes
+            keep = [t for _, ids in prefixes for t in ids]
+        allowed = unpack_bitmask(row[None], self.vocab_size)[0]
+        keep_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        keep_mask[[t for t in keep if t < self.vocab_size]] = True
+        if not bool((allowed & keep_mask).any()):
+            return False
+        row.copy_(pack_bitmask(allowed & keep_mask))
+        return True
+
+    def closing_bytes(self, matcher: Any) -> bytes | None:
+        """The closing path from the matcher's state (bytes; see the module docstring), or None when the
+        walk finds none within ``MAX_CLOSING_BYTES``. The matcher is left where it was."""
+        byte_tokens = self._single_byte_tokens()
+        path = bytearray()
+        consumed = 0
+        try:
+            while not matcher.is_accepting():
+                if len(path) >= MAX_CLOSING_BYTES or matcher.is_error():
+                    return None
+                forced = matcher.compute_ff_bytes()
+                if forced:
+                    for byte in forced[: MAX_CLOSING_BYTES - len(path)]:
+                        token = byte_tokens.get(byte)
+                        if token is None or not matcher.consume_token(token):
+                            return None
+                        path.append(byte)
+                        consumed += 1
+                    continue
+                for byte in _CLOSERS:
+                    token = byte_tokens.get(byte)
+                    if token is not None and matcher.try_consume_tokens([token]) == 1:
+                        path.append(byte)
+                        consumed += 1
+                        break
+                else:
+                    return None
+            return bytes(path)
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+
+    def _single_byte_tokens(self) -> dict[int, int]:
+        if self._byte_tokens is None:
+            tokenizer = self.llg_tokenizer
+            singles = {b: tokenizer.tokenize_bytes(bytes([b])) for b in range(256)}
+            self._byte_tokens = {b: ids[0] for b, ids in singles.items() if len(ids) == 1}
+        return self._byte_tokens
+
+    def _tokens_by_bytes(self) -> dict[bytes, list[int]]:
+        if self._by_bytes is None:
+            tokenizer = self.llg_tokenizer
+            by_bytes: dict[bytes, list[int]] = {}
+            for token in range(min(self.vocab_size, tokenizer.vocab_size)):
+                if not tokenizer.is_special_token(token):
+                    by_bytes.setdefault(tokenizer.decode_bytes([token]), []).append(token)
+            self._by_bytes = by_bytes
+        return self._by_bytes
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """``[V]`` bool → ``[⌈V/32⌉]`` int32 bitmask (bit i of word w = token 32·w + i)."""
+    words = (allowed.shape[0] + 31) // 32
+    padded = torch.zeros(words * 32, dtype=torch.int64)
+    padded[: allowed.shape[0]] = allowed.long()
+    packed = (padded.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -99,6 +99,10 @@ class Request:
     generator: torch.Generator
     detokenizer: Any
     matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
+    # The budget rule (dflash2.grammar): the first position of this step's block whose mask it restricted
+    # (None: none), and whether a committed token was sampled under it (the request then ends by length).
+    closing_from: int | None = None
+    budget_closed: bool = False
     acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
     lookup: Any = None  # dflash2.prompt_lookup.PromptLookup over its tokens (prompt lookup on)
     lookup_acceptance: Any = None  # AcceptanceEstimate of its prompt-lookup drafts

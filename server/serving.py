@@ -302,6 +302,8 @@ class OpenAIServing:
         self.model.check(request.model)
         _convert_param_errors(request.check)
         plan = ToolPlan.for_request(request, self.tool_parser, self.default_parallel_tool_calls)
+        if self.model.grammar is None:
+            plan.without_grammar_engine()
         messages, kwargs = request.messages, request.chat_template_kwargs
 
         def prompt_ids() -> list[int]:  # on the tokenizer thread: schemas compile there too

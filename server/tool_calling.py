@@ -74,6 +74,8 @@ class ToolPlan:
         calls_only: ``required`` or a named tool: the grammar allows nothing but calls, so a reply cut
             by ``max_tokens`` in the middle of a call has no content, only its complete calls.
         parallel: several calls may follow each other (``parallel_tool_calls``, or the server's default).
+        one_call_grammar: the grammar only ends the reply after its one call (``auto``, no ``strict`` tool,
+            no JSON answer): without a grammar engine it is dropped, and the first call is the reply's.
         repeat_marker: ``SamplingParams.repeat_marker`` for the engine (the format's closing tag of a
             call), or None.
     """
@@ -85,6 +87,7 @@ class ToolPlan:
     calls_only: bool = False
     parallel: bool = False
     repeat_marker: str | None = None
+    one_call_grammar: bool = False
 
     @classmethod
     def for_request(
@@ -127,6 +130,7 @@ class ToolPlan:
                 lark = parser.grammar(forced, required=True, parallel=parallel)
             else:  # auto
                 forced = [t for t in tools if t.strict]
+                plan.one_call_grammar = not parallel and not forced and answer is None
                 lark = parser.grammar(
                     tools, required=False, parallel=parallel, answer=_inline(answer) if answer else None
                 )
@@ -135,6 +139,12 @@ class ToolPlan:
         plan.grammar = lark_grammar(lark) if lark is not None else None
         plan.checks += [(f"tools[{tools.index(t)}].function.parameters", t.parameters) for t in forced]
         return plan
+
+    def without_grammar_engine(self) -> None:
+        """For a model without a grammar engine (no tokenizer): drop a grammar that only ends the reply
+        after one call (the reply's first call is then its only one); ``check`` refuses any other."""
+        if self.one_call_grammar:
+            self.grammar = None
 
     def check(self, backend: GrammarBackend | None) -> None:
         """Compile every constrained schema, then the whole grammar, against the loaded tokenizer.
@@ -178,13 +188,14 @@ class ToolPlan:
         if self.parser is None:
             return text, []
         content, calls = self.parser.parse(text, cut)
-        return (None if self.calls_only else content), _distinct(calls, [])
+        calls = _distinct(calls, [])
+        return (None if self.calls_only else content), (calls if self.parallel else calls[:1])
 
     def streamer(self) -> ToolCallStreamer | None:
         """An incremental parser for one streamed choice (None when tools are not parsed)."""
         if self.parser is None:
             return None
-        return _Distinct(self.parser.streamer(), drop_content=self.calls_only)
+        return _Distinct(self.parser.streamer(), drop_content=self.calls_only, max_calls=None if self.parallel else 1)
 
 
 class _Distinct(ToolCallStreamer):
@@ -192,19 +203,24 @@ class _Distinct(ToolCallStreamer):
     ``drop_content`` (a calls-only grammar, where text outside complete calls can only be a call cut
     short by ``max_tokens``), no content."""
 
-    def __init__(self, inner: ToolCallStreamer, drop_content: bool) -> None:
+    def __init__(self, inner: ToolCallStreamer, drop_content: bool, max_calls: int | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.drop_content = drop_content
+        self.max_calls = max_calls
         self.seen: list[ParsedToolCall] = []
 
     def _feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         content, calls = self.inner.feed(text)
-        return ("" if self.drop_content else content), _distinct(calls, self.seen)
+        return ("" if self.drop_content else content), self._new(calls)
 
     def _finish(self, cut: bool) -> tuple[str, list[ParsedToolCall]]:
         content, calls = self.inner.finish(cut)
-        return ("" if self.drop_content else content), _distinct(calls, self.seen)
+        return ("" if self.drop_content else content), self._new(calls)
+
+    def _new(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
+        room = None if self.max_calls is None else max(0, self.max_calls - len(self.seen))
+        return _distinct(calls, self.seen)[:room]
 
 
 def _distinct(calls: list[ParsedToolCall], seen: list[ParsedToolCall]) -> list[ParsedToolCall]:

@@ -101,6 +101,50 @@ def test_greedy_speculative_equals_autoregressive_with_a_grammar(wide_target, sm
         jsonschema.validate(json.loads(smollm2_tokenizer.decode(r.token_ids, skip_special_tokens=True)), SCHEMA)
 
 
+def test_greedy_speculative_equals_autoregressive_when_the_budget_closes_the_grammar(wide_target, smollm2_tokenizer):
+    """20 tokens, where the random target's JSON takes 18–20 and the shortest takes about 17: the budget
+    rule closes every output early (as ``length``), in float32 the same tokens with block size 8 as with
+    block size 1, and every output parses and validates."""
+    max_tokens = 20
+    grammar = json_schema_grammar(SCHEMA)
+    prompts = [[1, 2, 3], [7, 7], [100, 200, 300, 400], [5]]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+    ar = tiny_engine(wide_target, None, max_num_seqs=4, eos=(2,), tokenizer=smollm2_tokenizer)
+    reference = LLM.from_engine(ar).generate(prompts, params)
+    references = {slot: prompts[slot] + r.token_ids for slot, r in enumerate(reference)}
+    drafter = oracle_drafter(wide_target, references, block_size=8, error_rate=0.3)
+    spec = tiny_engine(wide_target, drafter, 8, max_num_seqs=4, eos=(2,), tokenizer=smollm2_tokenizer)
+    batched = LLM.from_engine(spec).generate(prompts, params)
+    assert [b.token_ids for b in batched] == [r.token_ids for r in reference]
+    assert sum(b.num_accepted_tokens for b in batched) > 0
+    for r in reference:
+        assert len(r.token_ids) <= max_tokens
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert all(r.finish_reason == "length" for r in reference)  # closed by the budget, and said so
+    free = LLM.from_engine(ar).generate(prompts, SamplingParams(max_tokens=200, temperature=0.0, grammar=grammar))
+    assert all(f.finish_reason == "stop" for f in free)
+    assert [f.text for f in free] != [r.text for r in reference]  # the budget changed what was written
+
+
+def test_the_closing_path_and_the_budget_mask(smollm2_tokenizer):
+    from dflash2.grammar import GrammarBackend, json_object_grammar, unpack_bitmask
+
+    backend = GrammarBackend(smollm2_tokenizer, SMOLLM2_VOCAB)
+    matcher = backend.matcher(json_object_grammar())
+    ids = smollm2_tokenizer.encode('{"name": "Molecute-L-L', add_special_tokens=False)
+    assert matcher.consume_tokens(ids)
+    assert backend.closing_bytes(matcher) == b'"}'
+    row = torch.zeros((SMOLLM2_VOCAB + 31) // 32, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+    free = unpack_bitmask(row[None].clone(), SMOLLM2_VOCAB)[0]
+    assert not backend._budget_mask(matcher, row.clone(), 40)  # far from the end: unchanged
+    assert backend._budget_mask(matcher, row, 1)  # one token left: only what closes it in one token
+    allowed = unpack_bitmask(row[None], SMOLLM2_VOCAB)[0]
+    assert bool((allowed <= free).all())
+    assert {smollm2_tokenizer.decode([t]) for t in allowed.nonzero()[:, 0].tolist()} == {'"}'}
+    assert backend.closing_bytes(matcher) == b'"}'  # the walk leaves the matcher where it was
+
+
 def test_sampled_json_outputs_validate(wide_target, smollm2_tokenizer):
     """T = 1 with speculation (untrained drafter) and a batch: every output parses and validates."""
     drafter = tiny_drafter(wide_target, 2, block_size=8)

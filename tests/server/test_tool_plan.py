@@ -46,3 +46,18 @@ def test_a_repeated_call_is_read_back_once(parser):
     streamer = p.streamer()
     calls = [call for char in text for call in streamer.feed(char)[1]] + streamer.finish()[1]
     assert calls == [paris, rome]
+
+
+def test_without_a_grammar_engine_an_auto_reply_keeps_its_first_call():
+    """A model with no tokenizer has no grammar engine: ``auto`` still works, the grammar that would
+    have ended the reply after one call is dropped and the reply's first call is its only one."""
+    auto = plan(tool_choice="auto")
+    assert auto.one_call_grammar and auto.grammar is not None
+    auto.without_grammar_engine()
+    assert auto.grammar is None
+    paris = ParsedToolCall("get_weather", '{"city": "Paris"}')
+    rome = ParsedToolCall("get_weather", '{"city": "Rome"}')
+    assert auto.parse("Sure. " + auto.parser.format_calls([paris, rome])) == ("Sure.", [paris])
+    required = plan(tool_choice="required")
+    required.without_grammar_engine()
+    assert required.grammar is not None  # enforced: a model without a grammar engine gets a 400 for it

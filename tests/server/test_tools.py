@@ -8,6 +8,7 @@ call or document on every request; ``auto`` leaves the choice to the model.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -96,10 +97,52 @@ def test_json_schema_outputs_validate_when_sampled(client, seed):
 
 def test_json_object_output_is_an_object(client):
     response = chat(client, response_format={"type": "json_object"}, max_tokens=80, temperature=0)
-    if response.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(response.choices[0].message.content), dict)
-    else:  # a length cut leaves a valid prefix of an object
-        assert response.choices[0].message.content.startswith("{")
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+CATS = [{"role": "user", "content": "Give me a JSON object about cats."}]
+CAT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "facts": {"type": "array", "items": {"type": "string"}},
+        "legs": {"type": "integer"},
+    },
+    "required": ["name", "facts", "legs"],
+}
+
+
+@pytest.mark.parametrize("max_tokens", [32, 64, 96])
+def test_json_outputs_parse_however_they_end(client, max_tokens):
+    """The budget-aware grammar: a sampled reply closes its JSON in time even when ``max_tokens`` ends it
+    (``finish_reason`` then says ``length``, and usage counts every token)."""
+    formats = {
+        "json_object": ({"type": "json_object"}, {"type": "object"}),
+        "json_schema": ({"type": "json_schema", "json_schema": {"name": "cat", "schema": CAT_SCHEMA}}, CAT_SCHEMA),
+    }
+    lengths = 0
+    for response_format, schema in formats.values():
+
+        def ask(seed: int, response_format=response_format):
+            return chat(
+                client,
+                messages=CATS,
+                response_format=response_format,
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=seed,
+            )
+
+        with ThreadPoolExecutor(10) as pool:  # ten at once: the engine batches them
+            responses = list(pool.map(ask, range(10)))
+        for response in responses:
+            choice = response.choices[0]
+            assert choice.finish_reason in ("stop", "length")
+            jsonschema.validate(json.loads(choice.message.content), schema)
+            assert response.usage.completion_tokens <= max_tokens
+            lengths += choice.finish_reason == "length"
+    if max_tokens == 32:
+        assert lengths > 0  # the budget closed some of them
 
 
 def test_auto_with_a_json_answer_gives_either_a_call_or_the_answer(client):
