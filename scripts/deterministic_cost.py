@@ -47,10 +47,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    configs = dict(CONFIGS)
-    if args.cpu_kernels:
-        configs = {f"{kernel}: {name}": (kernel, CONFIGS[name]) for kernel in args.cpu_kernels for name in CONFIGS}
-        configs = {name: value for name, value in configs.items() if "compiled" not in name}
+    configs: dict[str, tuple[str | None, dict[str, bool]]]
+    if args.cpu_kernels:  # the eager configurations only, once per linear path
+        eager = [name for name, extra in CONFIGS.items() if extra["enforce_eager"]]
+        configs = {f"{kernel}: {name}": (kernel, CONFIGS[name]) for kernel in args.cpu_kernels for name in eager}
     else:
         configs = {name: (None, extra) for name, extra in CONFIGS.items()}
     llms = {}
