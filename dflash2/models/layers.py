@@ -83,12 +83,17 @@ CPU_KERNELS = ("avx512bf16", "avx2", "onednn")  # DFLASH2_CPU_KERNEL's values, i
 # The project's own kernels: custom ops that compiled graphs call with the packed weight as an input
 # (oneDNN's packed weights cannot be graph inputs).
 PROJECT_KERNELS = ("avx512bf16", "avx2")
+BACKEND_NAMES = {  # for log lines
+    "avx512bf16": "the project's AVX512-BF16 kernel",
+    "avx2": "the project's AVX2 kernel",
+    "onednn": "oneDNN",
+}
 
 
 def choose_cpu_kernel(
     flags: frozenset[str], onednn: bool, builds: Callable[[str], bool], forced: str | None = None
 ) -> str | None:
-    """Which bfloat16 linear path a CPU gets (pure; :func:`linear_backend` calls it once per process).
+    """Which bfloat16 linear path a CPU gets (pure; :func:`cpu_bf16_backend` calls it for this machine).
 
     The first that can run, in this order: the project's AVX512-BF16 kernel (flags ``avx512f``,
     ``avx512bw``, ``avx512vl``, ``avx512_bf16``), its AVX2 kernel (``avx2``, ``fma``), oneDNN (when
@@ -136,14 +141,7 @@ def cpu_bf16_backend() -> str | None:
     return backend
 
 
-_logged_choices: set[tuple[str | None, str | None]] = set()
-
-
-BACKEND_NAMES = {
-    "avx512bf16": "the project's AVX512-BF16 kernel",
-    "avx2": "the project's AVX2 kernel",
-    "onednn": "oneDNN",
-}
+_logged_choices: set[tuple[str | None, str | None]] = set()  # (backend, forced) pairs already logged
 
 
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str | None:
