@@ -31,6 +31,7 @@ from dflash2.adaptive import (
     choose_width,
 )
 from dflash2.config import EngineConfig
+from dflash2.errors import ContextLengthExceededError
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
@@ -69,10 +70,6 @@ MAX_PENDING_CONTEXT = 64
 # Tokens of context each row has when the adaptive policy's step costs are timed at start-up: a chat
 # request's prompt and some answer, so attention's share of the cost is not that of an empty cache.
 COST_CONTEXT = 256
-
-
-class ContextLengthExceededError(ValueError):
-    """prompt tokens + max_tokens exceed ``max_model_len``."""
 
 
 @dataclass

@@ -169,6 +169,7 @@ def serve(settings: ServerSettings) -> int:
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=_SHUTDOWN_GRACE_SECONDS,
+        timeout_keep_alive=int(settings.timeout_keep_alive),
         log_level="info",
     )
     DrainingServer(config, app.state.server).run()

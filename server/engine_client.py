@@ -174,7 +174,7 @@ class EngineClient:
         """Queue one engine request per choice (ids ``{request_id}-{i}``).
 
         Raises:
-            ValueError / dflash2.engine.ContextLengthExceededError: from ``Engine.add_request``;
+            ValueError / dflash2.errors.ContextLengthExceededError: from ``Engine.add_request``;
                 choices already queued are aborted.
         """
         engine = self.engine

@@ -25,7 +25,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
-from dflash2.engine import ContextLengthExceededError
+from dflash2.errors import ContextLengthExceededError
 from dflash2.grammar import GrammarBackend
 from dflash2.request import RequestOutput, TokenLogprob, mean_acceptance_length
 from dflash2.sampling import check_token_ids

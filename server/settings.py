@@ -35,6 +35,9 @@ class ServerSettings:
             reading before the stream is ended and its request aborted (frees its concurrency
             slot and KV slot); 0 = wait forever.
         tool_call_parser: the format tool calls are prompted in, parsed from and constrained to.
+        timeout_keep_alive: seconds an idle keep-alive connection stays open. Above the 5 s that HTTP
+            clients (httpx, the openai client) keep idle connections, so a client never sends a request on
+            a connection the server is closing at that moment; above a 60 s load-balancer idle timeout too.
         default_parallel_tool_calls: ``parallel_tool_calls`` for requests that leave it out. False (as
             llama.cpp's server): a tool-call turn is one call and ends after it on any model; OpenAI's
             true only allows several, so one call is a valid reply either way.
@@ -50,6 +53,7 @@ class ServerSettings:
     metrics_compat: str | None = None
     drain_timeout: float = 30.0
     stream_send_timeout: float = 60.0
+    timeout_keep_alive: float = 65.0
     tool_call_parser: str = "hermes"
     default_parallel_tool_calls: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -67,6 +71,8 @@ class ServerSettings:
             raise ValueError("drain_timeout must be non-negative")
         if self.stream_send_timeout < 0:
             raise ValueError("stream_send_timeout must be non-negative")
+        if self.timeout_keep_alive <= 0:
+            raise ValueError("timeout_keep_alive must be positive")
         if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
         if self.api_key == "":
@@ -114,6 +120,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "request is aborted (0: wait forever; default: %(default)s)",
     )
     g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=_DEFAULTS.timeout_keep_alive,
+        help="seconds an idle keep-alive connection stays open (above clients' own idle limit; default: %(default)s)",
+    )
+    g.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSER_CHOICES,
         default=_DEFAULTS.tool_call_parser,
@@ -140,6 +152,7 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         metrics_compat=args.metrics_compat,
         drain_timeout=args.drain_timeout,
         stream_send_timeout=args.stream_send_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         tool_call_parser=args.tool_call_parser,
         default_parallel_tool_calls=args.default_parallel_tool_calls,
         engine=engine,

@@ -66,7 +66,14 @@ class ServerThread:
         self.app = create_app(EngineClient.from_engine(engine), ServerSettings(**settings))
         self.state: ServerState = self.app.state.server
         self.engine = engine
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=int(self.state.settings.timeout_keep_alive),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
         self.url = ""

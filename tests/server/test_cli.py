@@ -59,6 +59,8 @@ def test_flags_build_the_settings():
     defaults = settings_from_args(server_parser().parse_args([]), engine_config_from_args(args))
     assert (defaults.host, defaults.port, defaults.api_key) == ("127.0.0.1", 8000, None)
     assert defaults.default_parallel_tool_calls is False
+    keep = dflash2_parser().parse_args(["serve", "--timeout-keep-alive", "120"])
+    assert settings_from_args(keep, engine_config_from_args(keep)).timeout_keep_alive == 120
     parallel = dflash2_parser().parse_args(["serve", "--default-parallel-tool-calls"])
     assert settings_from_args(parallel, engine_config_from_args(parallel)).default_parallel_tool_calls is True
     with pytest.raises(SystemExit):
