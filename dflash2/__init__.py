@@ -4,8 +4,9 @@ The public surface is ``LLM`` and ``SamplingParams``; ``Engine`` and ``EngineCon
 for servers and benchmarks that drive steps themselves.
 """
 
+from dflash2.api import LLM, Completion
 from dflash2.config import EngineConfig
-from dflash2.engine import LLM, Completion, Engine
+from dflash2.engine import Engine
 from dflash2.request import RequestOutput, StepResult, StepStats
 from dflash2.sampling import SamplingParams
 

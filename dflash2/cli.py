@@ -32,7 +32,8 @@ _BENCH_DEFAULTS = BenchConfig()
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dflash2.engine import LLM, Engine
+    from dflash2.api import LLM
+    from dflash2.engine import Engine
 
     llm = LLM.from_engine(Engine.from_config(engine_config_from_args(args)))
     tokenizer = llm.engine.tokenizer
@@ -116,7 +117,7 @@ def _offline_dtype(config: EngineConfig) -> Any:
     float32 on CPUs whose bfloat16 speed comes from the engine's packed kernel
     (:func:`dflash2.models.layers.linear_backend` ``"avx2"``), since these commands run plain
     ``nn.Linear`` layers (PyTorch's bfloat16 there is several times slower than float32);
-    otherwise ``config.torch_dtype``."""
+    otherwise :func:`dflash2.loading.resolve_dtype`."""
     import torch
 
     from dflash2.models.layers import linear_backend
@@ -124,7 +125,9 @@ def _offline_dtype(config: EngineConfig) -> Any:
     cpu = config.torch_device.type == "cpu"
     if config.dtype == "auto" and cpu and linear_backend(config.torch_device, torch.bfloat16) == "avx2":
         return torch.float32
-    return config.torch_dtype
+    from dflash2.loading import resolve_dtype
+
+    return resolve_dtype(config)
 
 
 def _load_target(config: EngineConfig) -> tuple[Path, Any, Any]:
@@ -190,7 +193,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash2.engine import resolve_drafter_path
+    from dflash2.loading import resolve_drafter_path
     from dflash2.models import loader
     from dflash2.train import evaluate
     from dflash2.train.data import TokenDataset

@@ -1,17 +1,18 @@
-"""Configuration: the frozen ``EngineConfig`` (everything fixed at engine start-up).
+"""Configuration: the frozen ``EngineConfig`` (what was asked for) and ``EngineSpec`` (what an engine runs
+with: the request resolved against the loaded models; ``resolve_spec``).
 
 A drafter's ``config.json`` is parsed by ``dflash2.models.drafter_config.DrafterConfig``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from dflash2.models import cpu_kernels
-from dflash2.platform import cpu_has_native_bf16
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
@@ -38,7 +39,8 @@ class EngineConfig:
         max_model_len: longest prompt + output per request (KV positions per slot); None = the
             model's limit (``max_position_embeddings``), lowered while the KV caches would not
             fit in half of the free memory.
-        device, dtype: where and in what precision weights and caches live.
+        device, dtype: where and in what precision weights and caches live (``auto``: see
+            ``torch_device`` and ``dflash2.loading.resolve_dtype``).
         seed: seeds the per-request generators of requests that give no seed.
         num_threads: torch intra-op threads on CPU (None = the CPUs this process may use).
         adaptive_threads: on CPU, run with fewer threads while that is measurably faster (other
@@ -147,19 +149,130 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The resolved dtype. ``auto``: bfloat16 on CUDA, on CPUs with native bfloat16 matrix
-        instructions (AVX512-BF16 or AMX) and on other CPUs with AVX2 where the project's bfloat16
-        kernel builds (:mod:`dflash2.models.cpu_kernels`, built the first time); float32 elsewhere."""
-        if self.dtype == "auto":
-            if self.torch_device.type == "cuda":
-                return torch.bfloat16
-            if self.torch_device.type == "cpu" and (cpu_has_native_bf16() or cpu_kernels.available()):
-                return torch.bfloat16
-            return torch.float32
-        return DTYPES[self.dtype]
-
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict view (for logging)."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine's settings resolved against its loaded models, fixed at start-up (``resolve_spec``).
+
+    Attributes:
+        config: what was asked for.
+        block_size: B, tokens per verify block, anchor included (1: autoregressive decoding).
+        speculative: steps draft blocks (B > 1, a drafter is loaded).
+        adaptive: the adaptive policy chooses each step's verify width (speculative and
+            ``config.speculative_adaptive``).
+        prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram prompt lookup matches
+            (``prompt_lookup_max`` 0: off).
+        max_num_seqs: KV slots (rows decoded together).
+        max_model_len: positions per KV slot (longest prompt + output).
+        device: where the weights and caches live.
+        vocab_size: the target's vocabulary.
+    """
+
+    config: EngineConfig
+    block_size: int
+    speculative: bool
+    adaptive: bool
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    max_num_seqs: int
+    max_model_len: int
+    device: torch.device
+    vocab_size: int
+
+
+def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> EngineSpec:
+    """Resolve ``config`` against the loaded ``target`` and ``drafter`` (None: none).
+
+    The block size is the config's, else the drafter's trained one (1 without a drafter); prompt lookup
+    is on by default where the engine speculates adaptively; ``max_model_len`` defaults to the model's
+    limit, halved while the KV caches of every slot would take more than half of the free memory.
+
+    Raises:
+        ValueError: a block size > 1 without a drafter; prompt lookup asked for where the engine does not
+            speculate adaptively (before anything is compiled).
+    """
+    embed_weight = target.embedding_weights()[0]
+    block_size = _block_size(config, drafter)
+    speculative = block_size > 1
+    adaptive = speculative and config.speculative_adaptive
+    if config.prompt_lookup_requested and not adaptive:
+        raise ValueError(
+            "prompt lookup (--prompt-lookup-max/--prompt-lookup-min) runs beside a drafter: this engine does "
+            "not speculate (block size 1 or no drafter); drop the prompt lookup flags"
+        )
+    longest, shortest = config.prompt_lookup_bounds
+    device = embed_weight.device
+    kv_bytes = _kv_bytes_per_token(target, drafter if speculative else None)
+    return EngineSpec(
+        config=config,
+        block_size=block_size,
+        speculative=speculative,
+        adaptive=adaptive,
+        prompt_lookup_max=longest if adaptive else 0,
+        prompt_lookup_min=shortest,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len or _default_max_model_len(target, kv_bytes, config.max_num_seqs, device),
+        device=device,
+        vocab_size=int(embed_weight.shape[0]),
+    )
+
+
+def _block_size(config: EngineConfig, drafter: Any | None) -> int:
+    if drafter is None:
+        if config.block_size not in (None, 1):
+            raise ValueError("block_size > 1 needs a drafter (pass a drafter path)")
+        return 1
+    if config.block_size is None:
+        return int(drafter.config.block_size)
+    if config.block_size != drafter.config.block_size:
+        logger.warning(
+            "block size %d differs from the drafter's trained block size %d",
+            config.block_size,
+            drafter.config.block_size,
+        )
+    return config.block_size
+
+
+def _default_max_model_len(target: Any, kv_bytes_per_token: int, num_slots: int, device: torch.device) -> int:
+    """The model's own context limit (``max_position_embeddings``), halved while the KV caches of
+    every slot at that length would take more than half of the free memory (down to 2048)."""
+    limit = int(getattr(target.config, "max_position_embeddings", 0) or 2048)
+    per_token = kv_bytes_per_token * (num_slots + 1)  # + the scratch slot
+    if device.type == "cuda":
+        free: int | None = torch.cuda.mem_get_info(device)[0]
+    else:
+        from dflash2.platform import available_memory_bytes
+
+        free = available_memory_bytes()
+    length = limit
+    while free is not None and length > 2048 and per_token * length > free // 2:
+        length //= 2
+    if length < limit:
+        logger.warning(
+            "max_model_len %d (the model's limit is %d, but %d slots at that length need %.1f GiB of KV "
+            "cache and %.1f GiB is free); set --max-model-len to choose",
+            length,
+            limit,
+            num_slots,
+            per_token * limit / 2**30,
+            (free or 0) / 2**30,
+        )
+    return length
+
+
+def _kv_bytes_per_token(target: Any, drafter: Any | None) -> int:
+    """KV-cache bytes one token takes in one slot: target (+ drafter context)."""
+
+    def per_token(config: Any, dtype: torch.dtype) -> int:
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return 2 * int(config.num_hidden_layers) * heads * head_dim * dtype.itemsize
+
+    total = per_token(target.config, target.embedding_weights()[0].dtype)
+    if drafter is not None:
+        total += per_token(drafter.config, drafter.dtype)
+    return total

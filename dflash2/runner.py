@@ -78,6 +78,22 @@ CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_MIN_KEYS = 256
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafted:
+    """A drafted step's proposal and what it cost.
+
+    Attributes:
+        proposal: over W − 1 slots, candidates as token ids.
+        draft_seconds: the drafter forward (+ the context write; + the selector where it runs in the
+            same graph).
+        select_seconds: the selector's own time; None when it ran inside the drafting graph.
+    """
+
+    proposal: Proposal
+    draft_seconds: float
+    select_seconds: float | None
+
+
 @dataclasses.dataclass
 class PendingWrites:
     """Drafter context to write for a batch of rows: the first ``lengths[r]`` of ``features [R, L, F·H]``
@@ -560,6 +576,7 @@ class ModelRunner:
             else None
         )
         self._cuda = self.device.type == "cuda"
+        self.sync_timing = False
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._draft_forward: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self._context_forward: Callable[..., torch.Tensor] | None = None
@@ -873,7 +890,7 @@ class ModelRunner:
         width = self._check_width(width)
         if not self.draft_selects:
             hidden, logits = self.draft(slots, anchor_ids, starts, width, context)
-            return self.propose(hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1])
+            return self._select(hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1])
         _, _, *proposal = self._draft_call(slots, anchor_ids, starts, width, context, temperatures, uniforms)
         return Proposal(*(t[:, : width - 1] for t in proposal))
 
@@ -958,7 +975,7 @@ class ModelRunner:
             self._roll_context(slots, context.starts, context.lengths)
         return tuple(t[:num_rows] for t in outputs)
 
-    def propose(
+    def _select(
         self,
         hidden: torch.Tensor,
         logits: torch.Tensor,
@@ -976,6 +993,31 @@ class ModelRunner:
         """
         assert self.drafter is not None
         return self.drafter.propose(hidden, logits, anchor_ids, temperatures, uniforms, self.use_selector)
+
+    def propose(
+        self,
+        slots: list[int],
+        anchor_ids: torch.Tensor,
+        starts: torch.Tensor,
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+        width: int,
+        context: PendingWrites | None,
+    ) -> Drafted:
+        """Each row's drafted path over a ``width``-token block, timed (interim: old methods)."""
+        start = time.perf_counter()
+        if self.draft_selects:
+            proposal = self.draft_proposal(slots, anchor_ids, starts, temperatures, uniforms, width, context)
+            return Drafted(proposal, self._phase_end() - start, None)
+        hidden, logits = self.draft(slots, anchor_ids, starts, width, context)
+        selecting = self._phase_end()
+        proposal = self._select(hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1])
+        return Drafted(proposal, selecting - start, self._phase_end() - selecting)
+
+    def _phase_end(self) -> float:
+        if self.sync_timing and self._cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def append_context(
         self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]

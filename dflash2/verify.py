@@ -11,7 +11,49 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.sampling import sample_from_probs
+from dflash2.sampling import LogitsContext, process_logits, sample_from_probs, target_probs
+from dflash2.selector import Proposal
+
+
+def accept_block(
+    logits: torch.Tensor,
+    ctx: LogitsContext,
+    proposal: Proposal,
+    num_drafts: list[int],
+    allowed: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's decision on every row's drafted block (one speculative step, spec §5.2): the
+    logits processors, then :func:`greedy_accept` when every row is greedy (``uniforms`` None) or
+    :func:`rejection_accept` on the target distributions.
+
+    Args:
+        logits: ``[R, J+1, V]`` raw target logits over ``[anchor, drafts…]`` (J = max ``num_drafts``).
+        ctx: per-row sampling parameters and histories.
+        proposal: the drafted path over at least J slots.
+        num_drafts: per row, the drafts it verifies (≤ J).
+        allowed: ``[R, J+1, V]`` grammar masks, or None.
+        uniforms: ``[R, S+1]`` uniforms in [0, 1), S ≥ J: the first J decide acceptance, the last one
+            samples the correction or bonus token; None for an all-greedy batch (which draws none).
+
+    Returns:
+        ``(num_accepted [R] int64, next_ids [R] int64)``: each row emits its first ``num_accepted``
+        drafts, then ``next_ids``.
+    """
+    width = max(num_drafts)
+    draft_ids = proposal.draft_ids[:, :width]
+    drafts_per_row = torch.tensor(num_drafts, device=logits.device)
+    if uniforms is None:  # the same tokens as the rule below, without the distributions
+        return greedy_accept(process_logits(logits, ctx, draft_ids, allowed), draft_ids, drafts_per_row)
+    return rejection_accept(
+        draft_ids,
+        proposal.candidate_ids[:, :width],
+        proposal.draft_probs[:, :width],
+        target_probs(logits, ctx, draft_ids, allowed),
+        drafts_per_row,
+        uniforms[:, :width],
+        uniforms[:, -1],
+    )
 
 
 def rejection_accept(

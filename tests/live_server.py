@@ -14,7 +14,8 @@ import torch
 import uvicorn
 
 from dflash2.config import EngineConfig
-from dflash2.engine import Engine, untrained_default_drafter
+from dflash2.engine import Engine
+from dflash2.loading import untrained_default_drafter
 from dflash2.models import loader, source
 from server.app import create_app
 from server.engine_client import EngineClient

@@ -14,6 +14,7 @@ from dflash2.bench.report import write_report
 from dflash2.bench.serving import run_serving
 from dflash2.bench.single_stream import run_single_stream
 from dflash2.bench.workload import build_workload
+from dflash2.loading import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "model": e.model,
         "drafter": e.drafter,
         "device": str(e.torch_device),
-        "dtype": str(e.torch_dtype).removeprefix("torch."),
+        "dtype": str(resolve_dtype(e)).removeprefix("torch."),
         "threads": e.num_threads,
         "seed": e.seed,
         "max_tokens": config.max_tokens,

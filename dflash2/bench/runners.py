@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from dflash2.api import LLM
 from dflash2.config import EngineConfig
-from dflash2.engine import LLM, Engine, default_drafter_path
+from dflash2.engine import Engine
+from dflash2.loading import default_drafter_path
 from dflash2.request import StepResult, StepStats
 from dflash2.sampling import SamplingParams
 
@@ -85,28 +87,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class CudaTimedEngine(Engine):
-    """The engine with each timed phase waiting for its own kernels before the next starts.
-
-    NOTE: CUDA kernels run asynchronously. The engine stops its draft and select timers when the
-    kernels are queued, and the verify phase's ``.tolist()`` then waits for all of them, so on a GPU
-    the drafter's and the selector's time would be counted as verify time. Waiting at the end of each
-    phase, inside the step, puts that time back where it belongs (it adds no work: verify would wait
-    anyway). On CPU the plain ``Engine`` is used.
-    """
-
-    def _phase_end(self) -> float:
-        synchronize(self.device)
-        return time.perf_counter()
-
-
 class EngineRunner:
     """This engine at one block size (1 = autoregressive), selector on or off, batch 1."""
 
     def __init__(self, config: EngineConfig) -> None:
-        engine_class = CudaTimedEngine if config.torch_device.type == "cuda" else Engine
         self.config = config
-        self.engine: Engine = engine_class.from_config(config)
+        self.engine: Engine = Engine.from_config(config)
+        # Each timed phase waits for its own CUDA kernels (the verify phase's .tolist() would otherwise
+        # wait for the drafter's and the selector's, and count their time as verify time).
+        self.engine.runner.sync_timing = True
         self.llm = LLM.from_engine(self.engine)
 
     def describe(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from dflash2.bench.stats import RunRecord, SpeedRow, summarize
 from dflash2.bench.worker import WorkerError, WorkerHandle
 from dflash2.bench.workload import Workload
 from dflash2.config import DTYPES
+from dflash2.loading import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class SingleStreamResult:
 
 
 def _dtype_name(config: BenchConfig) -> str:
-    return {v: k for k, v in DTYPES.items()}[config.engine.torch_dtype]
+    return {v: k for k, v in DTYPES.items()}[resolve_dtype(config.engine)]
 
 
 def worker_spec(

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from dflash2.api import LLM
 from dflash2.config import EngineConfig
-from dflash2.engine import LLM, Engine
+from dflash2.engine import Engine
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.request import StepResult, mean_acceptance_length

@@ -64,7 +64,7 @@ def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
 
 def test_width_follows_the_cost_and_greedy_output_equals_autoregressive():
     adaptive, _, ar = engines()
-    adaptive.cost_model = FixedCosts(4, adaptive.cost_model.widths)
+    adaptive.policy.cost_model = FixedCosts(4, adaptive.cost_model.widths)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     steps = []
     batch = LLM.from_engine(adaptive).generate(PROMPTS, params, on_step=lambda r: steps.append(r.stats))
@@ -81,7 +81,7 @@ def test_width_follows_the_cost_and_greedy_output_equals_autoregressive():
 
 def test_a_seeded_sampled_request_keeps_the_full_block_and_its_text():
     adaptive, fixed, _ = engines()
-    adaptive.cost_model = FixedCosts(4, adaptive.cost_model.widths)
+    adaptive.policy.cost_model = FixedCosts(4, adaptive.cost_model.widths)
     seeded = SamplingParams(max_tokens=20, temperature=1.0, seed=42)
     free = SamplingParams(max_tokens=20, temperature=1.0)
 

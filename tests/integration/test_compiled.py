@@ -316,7 +316,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(monkeypatch):
     engine = compiled(tiny_engine(target, drafter, 4, max_num_seqs=64, enforce_eager=False))
     assert engine.runner.compiled
     widths = itertools.cycle([3, 4, 2])
-    monkeypatch.setattr(engine, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
+    monkeypatch.setattr(engine.policy, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
     base = SAMPLING_CASES["temperature"]
     params = [SamplingParams(**{**base.__dict__, "seed": i}) for i in range(3000)]
     outputs = LLM.from_engine(engine).generate([PROMPT] * len(params), params)

@@ -79,7 +79,7 @@ def test_one_conversation_alone_reuses_its_slot_and_a_new_one_copies_the_shared_
 
 def _poison(engine, slot: int) -> None:
     """NaN in every KV position of ``slot``: any read of it would turn the output into garbage."""
-    for cache in (engine.target_cache, engine.draft_cache):
+    for cache in (engine.runner.target_cache, engine.runner.draft_cache):
         if cache is not None:
             cache.k[:, slot] = float("nan")
             cache.v[:, slot] = float("nan")

@@ -34,7 +34,7 @@ class FixedCosts(CostModel):
 
 def lookup_engine(target, drafter, draft_cost: float, **kwargs):
     engine = tiny_engine(target, drafter, drafter.config.block_size, speculative_adaptive=True, **kwargs)
-    engine.cost_model = FixedCosts(engine.config.max_num_seqs, engine.cost_model.widths, draft_cost)
+    engine.policy.cost_model = FixedCosts(engine.config.max_num_seqs, engine.cost_model.widths, draft_cost)
     return engine
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dflash2 import LLM, EngineConfig, SamplingParams
-from dflash2.engine import Engine, untrained_default_drafter
+from dflash2.engine import Engine
+from dflash2.loading import untrained_default_drafter
 from dflash2.models import loader, source
 from dflash2.models.drafter_factory import drafter_config_for_target
 from tests.tiny import OracleDrafter

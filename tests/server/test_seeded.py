@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflash2.config import EngineConfig
-from dflash2.engine import Engine, default_drafter_path
+from dflash2.engine import Engine
+from dflash2.loading import default_drafter_path
 from dflash2.models import loader, source
 from tests.live_server import ServerThread
 

@@ -1,0 +1,198 @@
+"""The forwards of one step, as the plan says: prefill and each prompt's first token; the proposal
+(drafter, prompt lookup or none) and ONE verify forward with acceptance. Nothing here commits: the
+results go to :mod:`dflash2.engine.postprocess`.
+
+Dimension letters: R rows, B block size, J ≤ B − 1 drafted slots, V vocab, F·H captured target features.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.config import EngineSpec
+from dflash2.engine.context import pending_writes, write_context
+from dflash2.engine.policy import DraftSource, Plan
+from dflash2.engine.slots import slot_of
+from dflash2.grammar import GrammarBackend
+from dflash2.request import Request
+from dflash2.runner import ModelRunner
+from dflash2.sampling import LogitsContext, sample_from_probs, target_probs
+from dflash2.selector import Proposal
+from dflash2.verify import accept_block
+
+
+@dataclass
+class Prefilled:
+    """What a prefill forward decided: raw logits ``[R, 1, V]`` at each prompt's last token, each
+    request's first token, and the seconds its grammar masks took."""
+
+    logits: torch.Tensor
+    first_ids: list[int]
+    grammar_seconds: float
+
+
+@dataclass
+class Verified:
+    """What one decode step's forwards decided, for the commit phase.
+
+    Attributes:
+        plan: the step's plan.
+        starts: each row's cached length before the verify forward.
+        logits: ``[R, L, V]`` raw target logits; features: ``[R, L, F·H]`` or None.
+        draft_lists: per row, the proposed drafts (≥ its ``plan.num_drafts``).
+        num_accepted, next_ids: per row, accepted drafts and the bonus or correction token.
+        draft_seconds, select_seconds, verify_seconds, grammar_seconds: the phases' times;
+        select_in_draft: the selector ran inside the drafting forward (its time is in ``draft_seconds``).
+    """
+
+    plan: Plan
+    starts: list[int]
+    logits: torch.Tensor
+    features: torch.Tensor | None
+    draft_lists: list[list[int]]
+    num_accepted: list[int]
+    next_ids: list[int]
+    draft_seconds: float = 0.0
+    select_seconds: float = 0.0
+    select_in_draft: bool = False
+    verify_seconds: float = 0.0
+    grammar_seconds: float = 0.0
+
+
+class StepExecutor:
+    """Runs a step's forwards on the runner; changes only cache entries past the committed lengths (a
+    rerun rewrites them alike), drafter context (written once, idempotently) and the requests'
+    generators (the engine restores them when it reruns rows one by one).
+
+    Args:
+        spec: the engine's resolved settings; runner: the forwards and caches;
+        grammar: masks for requests with a grammar (None without a tokenizer);
+        eos_token_ids: for the logits processors (``min_tokens``).
+    """
+
+    def __init__(
+        self, spec: EngineSpec, runner: ModelRunner, grammar: GrammarBackend | None, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.spec, self.runner, self.grammar, self.eos_token_ids = spec, runner, grammar, eos_token_ids
+
+    def prefill(self, requests: list[Request]) -> Prefilled:
+        """Run the prompts through the target (a cached prefix is not recomputed), write their drafter
+        context and sample each first token."""
+        slots = [slot_of(r) for r in requests]
+        starts = [r.num_cached_prompt_tokens for r in requests]
+        rest = [r.prompt_ids[start:] for r, start in zip(requests, starts)]
+        logits, features = self.runner.prefill(slots, rest, starts)
+        if features is not None:
+            self.runner.append_context(slots, starts, features, [len(tokens) for tokens in rest])
+        no_drafts = logits.new_zeros(len(requests), 0).long()
+        allowed, grammar_seconds = self._grammar_masks(requests, [[] for _ in requests], 1)
+        probs = target_probs(logits, self._logits_context(requests), no_drafts, allowed)
+        uniforms = torch.stack([_uniforms(r, 1) for r in requests])[:, 0].to(self.spec.device)
+        return Prefilled(logits, sample_from_probs(probs[:, 0], uniforms).tolist(), grammar_seconds)
+
+    def decode(self, rows: list[Request], plan: Plan) -> Verified:
+        """The plan's proposal, then ONE target forward over every row's ``[anchor, drafts…]`` and the
+        acceptance decision (lossless rejection sampling; greedy rows take the argmax path)."""
+        draft_seconds = select_seconds = 0.0
+        select_in_draft = False
+        if plan.source is DraftSource.DRAFTER:
+            # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
+            # cost: it is due whenever the rows draft next, and charging it here would make each draft
+            # after a pause look dearer, so the policy would pause longer. One step's worth is written
+            # by the drafting forward itself.
+            write_context(self.runner, [r for r in rows if r.pending_context.num_tokens > self.spec.block_size])
+            drafted = self._draft(rows, plan.width)
+            proposal, draft_seconds = drafted.proposal, drafted.draft_seconds
+            select_in_draft = drafted.select_seconds is None
+            select_seconds = drafted.select_seconds or 0.0
+        elif plan.source is DraftSource.LOOKUP:
+            assert plan.lookup is not None
+            proposal = plan.lookup
+        else:
+            proposal = self._no_proposal(len(rows))
+        start = time.perf_counter()
+        width = plan.verify_width - 1  # rows near their limits verify shorter blocks
+        draft_lists = proposal.draft_ids[:, :width].tolist()
+        tokens = [[r.output_ids[-1], *draft_lists[i][: plan.num_drafts[i]]] for i, r in enumerate(rows)]
+        starts = [r.num_cached for r in rows]
+        logits, features = self.runner.verify([slot_of(r) for r in rows], tokens, starts)
+        allowed, grammar_seconds = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1)
+        greedy = all(r.params.is_greedy for r in rows)
+        uniforms = None if greedy else self._step_uniforms(rows, self.spec.block_size)
+        num_accepted, next_ids = accept_block(
+            logits, self._logits_context(rows), proposal, plan.num_drafts, allowed, uniforms
+        )
+        return Verified(
+            plan,
+            starts,
+            logits,
+            features,
+            draft_lists,
+            num_accepted.tolist(),
+            next_ids.tolist(),
+            draft_seconds,
+            select_seconds,
+            select_in_draft,
+            time.perf_counter() - start,
+            grammar_seconds,
+        )
+
+    def _draft(self, rows: list[Request], width: int):  # -> dflash2.runner.Drafted
+        """Each row's drafted path over the ``width``-token block: ONE drafter forward from the rows'
+        last tokens (the anchors), after writing the context they committed since they last drafted,
+        then top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk."""
+        device = self.spec.device
+        anchors = torch.tensor([r.output_ids[-1] for r in rows], device=device)
+        starts = torch.tensor([r.num_cached for r in rows], device=device)
+        temperatures = torch.tensor([r.params.temperature for r in rows], device=device)
+        # B − 1 per row whatever the width: a row's random stream advances the same on every step.
+        uniforms = self._step_uniforms(rows, self.spec.block_size - 1)
+        slots = [slot_of(r) for r in rows]
+        drafted = self.runner.propose(slots, anchors, starts, temperatures, uniforms, width, pending_writes(rows))
+        for request in rows:  # written by the drafting forward
+            request.pending_context.clear()
+        return drafted
+
+    def _no_proposal(self, num_rows: int) -> Proposal:
+        """The empty proposal of an autoregressive step."""
+        empty = torch.zeros(num_rows, 0, dtype=torch.long, device=self.spec.device)
+        return Proposal(empty, empty[..., None], torch.zeros(num_rows, 0, 1, device=self.spec.device))
+
+    def _grammar_masks(
+        self, rows: list[Request], drafts: list[list[int]], num_positions: int
+    ) -> tuple[torch.Tensor | None, float]:
+        """``[R, L, V]`` allowed-token masks along each row's drafts (None when no row has a grammar),
+        and the seconds they took; each row's ``closing_from`` is set (the budget rule)."""
+        if self.grammar is None or all(r.matcher is None for r in rows):
+            return None, 0.0
+        start = time.perf_counter()
+        closing: list[int | None] = []
+        budgets = [r.remaining_tokens for r in rows]
+        allowed = self.grammar.masks([r.matcher for r in rows], drafts, num_positions, budgets, closing)
+        for request, first in zip(rows, closing):
+            request.closing_from = first
+        return allowed, time.perf_counter() - start
+
+    def _logits_context(self, rows: list[Request]) -> LogitsContext:
+        return LogitsContext(
+            params=[r.params for r in rows],
+            prompt_ids=[r.prompt_ids for r in rows],
+            output_ids=[r.output_ids for r in rows],
+            eos_token_ids=list(self.eos_token_ids),
+        )
+
+    def _step_uniforms(self, rows: list[Request], n: int) -> torch.Tensor:
+        """``[R, n]`` uniforms, each row's from its own generator (zeros for greedy rows, which draw none)."""
+        if all(r.params.is_greedy for r in rows):
+            return torch.zeros(len(rows), n, device=self.spec.device)
+        return torch.stack([_uniforms(r, n) for r in rows]).to(self.spec.device)
+
+
+def _uniforms(request: Request, n: int) -> torch.Tensor:
+    """``n`` uniforms from the request's own generator (none drawn for greedy requests)."""
+    if request.params.is_greedy:
+        return torch.zeros(n)
+    return torch.rand(n, generator=request.generator)

@@ -1,0 +1,283 @@
+"""The speculative engine: continuous batching over the DFlash 2 draft–select–verify step.
+
+One ``Engine.step`` reads like the algorithm (DESIGN.md, spec §9):
+
+    schedule     admit waiting requests into KV slots (prefix cache)       engine/slots.py
+    prefill      their prompts, and each one's first token                 engine/executor.py
+    plan         where this step's drafts come from and how many           engine/policy.py
+    run          propose (drafter + selector, or prompt lookup), verify    engine/executor.py
+    postprocess  commit accepted tokens, roll back the caches, outputs     engine/postprocess.py
+
+A request that fails ends alone (:meth:`Engine._isolated`); the others get exactly their tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from dflash2.config import EngineConfig, EngineSpec, resolve_spec
+from dflash2.engine.executor import StepExecutor
+from dflash2.engine.intake import encode, new_request
+from dflash2.engine.policy import SpeculationPolicy, seeded
+from dflash2.engine.postprocess import Postprocessor, error_output, output
+from dflash2.engine.slots import SlotTable
+from dflash2.grammar import GrammarBackend
+from dflash2.models.base import Target
+from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
+from dflash2.models.layers import batch_invariant
+from dflash2.prefix_cache import PrefixCache
+from dflash2.request import FinishReason, Request, RequestOutput, StepResult, StepStats
+from dflash2.runner import ModelRunner
+from dflash2.sampling import SamplingParams
+from dflash2.scheduler import Scheduler
+from dflash2.threads import ThreadGovernor
+
+logger = logging.getLogger(__name__)
+Result = TypeVar("Result")
+
+
+class Engine:
+    """Synchronous engine: ``add_request`` / ``abort`` from any thread, ``step`` on one thread.
+
+    Args:
+        config: the frozen engine configuration (resolved against the models into ``self.spec``).
+        target: a loaded target (``TargetModel`` or the transformers fallback).
+        tokenizer: Hugging Face tokenizer, or None (then no text and no stop strings).
+        drafter: a drafter bound to the target, or None (autoregressive decoding only).
+        eos_token_ids: ids that end a request unless ``ignore_eos``.
+        model_name: the name reported to clients.
+
+    Raises:
+        ValueError: settings the models cannot run (``dflash2.config.resolve_spec``; deterministic mode
+            where it cannot hold).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: Target,
+        tokenizer: Any | None,
+        drafter: DFlashDrafter | None,
+        eos_token_ids: Sequence[int] = (),
+        model_name: str = "model",
+    ) -> None:
+        self.config, self.target, self.tokenizer, self.drafter = config, target, tokenizer, drafter
+        self.eos_token_ids, self.model_name = tuple(eos_token_ids), model_name
+        self.spec: EngineSpec = resolve_spec(config, target, drafter)
+        spec = self.spec
+        self.grammar = GrammarBackend(tokenizer, spec.vocab_size) if tokenizer is not None else None
+        self.threads = self._thread_governor()
+        if self.threads is not None:
+            self.threads.settle()  # start-up (compiling, timing step costs) at a count that fits the free cores
+        self.runner = ModelRunner(
+            target,
+            drafter if spec.speculative else None,
+            spec.max_num_seqs,
+            spec.max_model_len,
+            spec.block_size,
+            enforce_eager=config.enforce_eager,
+            deterministic=config.deterministic,
+            dynamic_threads=self.threads is not None,
+            use_selector=config.use_selector,
+        )
+        self.scheduler = Scheduler(spec.max_num_seqs)
+        self.policy = SpeculationPolicy(spec, self.runner)
+        prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy
+        self.prefix_cache = PrefixCache(spec.max_num_seqs, enabled=prefix)
+        self.slots = SlotTable(self.scheduler, self.runner, self.prefix_cache)
+        self.executor = StepExecutor(spec, self.runner, self.grammar, self.eos_token_ids)
+        probing = lambda: self.threads is not None and self.threads.probing  # noqa: E731
+        self.postprocess = Postprocessor(spec, self.runner, self.policy, self.eos_token_ids, probing)
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        logger.info(
+            "KV caches for %d slots x %d tokens: target %.1f MiB, drafter context %.1f MiB; block size %d",
+            spec.max_num_seqs,
+            spec.max_model_len,
+            self.runner.target_cache.nbytes / 2**20,
+            (self.runner.draft_cache.nbytes if self.runner.draft_cache is not None else 0) / 2**20,
+            spec.block_size,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Load target, tokenizer and drafter as ``config`` says (``dflash2.loading.load_models``).
+
+        Raises:
+            dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with
+                a message that says what to do.
+        """
+        from dflash2.loading import load_models
+
+        m = load_models(config)
+        return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name)
+
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """The thread-count chooser (CPU, more than one thread, not deterministic), or None."""
+        threads = torch.get_num_threads()
+        config = self.config
+        if not config.adaptive_threads or self.spec.device.type != "cpu" or threads < 2 or config.deterministic:
+            return None
+        from dflash2.platform import CpuLoad
+
+        load = CpuLoad()
+        return ThreadGovernor(threads, set_threads=torch.set_num_threads, load=load.others, num_cpus=load.num_cpus)
+
+    # ---- what callers read ------------------------------------------------------------------
+
+    block_size = property(lambda self: self.spec.block_size, doc="B, tokens per verify block (1: autoregressive).")
+    max_model_len = property(lambda self: self.spec.max_model_len, doc="Positions per KV slot.")
+    vocab_size = property(lambda self: self.spec.vocab_size, doc="The target's vocabulary size.")
+    device = property(lambda self: self.spec.device, doc="Where the weights and caches live.")
+    is_speculative = property(lambda self: self.spec.speculative, doc="True when steps draft blocks (B > 1).")
+    prompt_lookup_max = property(lambda self: self.spec.prompt_lookup_max, doc="Longest lookup n-gram (0: off).")
+    cost_model = property(lambda self: self.policy.cost_model, doc="The adaptive policy's step costs, or None.")
+    kv_cache_usage = property(lambda self: self.runner.kv_cache_usage, doc="Fraction of target KV positions in use.")
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per slot the drafted path is chosen from (the drafter's; spec §4)."""
+        return self.drafter.num_candidates if self.drafter is not None else DEFAULT_TOP_K
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue a request; thread-safe. Returns its id.
+
+        Raises:
+            ValueError / GrammarError / ContextLengthExceededError: see ``dflash2.engine.intake.new_request``.
+        """
+        request = new_request(self.spec, self.tokenizer, self.grammar, prompt, params, request_id, self._seed_source)
+        self.policy.start(request)
+        with self._lock:
+            self._inbox.append(("add", request))
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request; its slot is freed at the start of the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt. Raises ValueError when the engine has no tokenizer."""
+        return encode(self.tokenizer, text)
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests holding a KV slot (the ones a failed step was running)."""
+        return [r.request_id for r in self.scheduler.running]
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything is queued, running or waiting in the inbox."""
+        with self._lock:
+            pending = bool(self._inbox)
+        return pending or bool(self.scheduler.running) or bool(self.scheduler.waiting)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """One engine iteration: schedule → prefill → plan → propose → verify → commit → emit."""
+        if self.threads is not None:
+            # A seeded request's text must not follow the load: while one is queued or running, steps run
+            # at the configured count (the count decides how reductions are split, so their rounding).
+            threads = self.threads.before_step(hold=self._has_seeded_work())
+        else:
+            threads = torch.get_num_threads() if self.spec.device.type == "cpu" else 0
+        with batch_invariant() if self.config.deterministic else contextlib.nullcontext():
+            result = self._step(StepStats(block_size=self.spec.block_size, num_threads=threads))
+        if self.threads is not None:
+            stats = result.stats
+            comparable = stats.num_prefills == 0 and stats.num_decode_rows > 0
+            shape = (stats.num_decode_rows, stats.verify_width) if comparable else None
+            self.threads.after_step(shape, stats.total_time)
+        return result
+
+    def _step(self, stats: StepStats) -> StepResult:
+        start = time.perf_counter()
+        outputs = self._drain_inbox()
+        admitted = self.slots.admit()
+        if admitted:
+            outputs += self._isolated(admitted, self.executor.prefill, self.postprocess.prefill, stats)
+        rows = self.slots.decode_rows()
+        if rows:
+            decode = lambda rows: self.executor.decode(rows, self.policy.plan(rows))  # noqa: E731
+            outputs += self._isolated(rows, decode, self.postprocess.decode, stats)
+        self.slots.release_finished()
+        stats.total_time = time.perf_counter() - start
+        stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        stats.kv_cache_usage = self.kv_cache_usage
+        return StepResult(outputs, stats)
+
+    def _has_seeded_work(self) -> bool:
+        """True when a request with a seed is queued (inbox or waiting) or running."""
+        with self._lock:
+            if any(kind == "add" and item.params.seed is not None for kind, item in self._inbox):
+                return True
+        return seeded(self.scheduler.running) or seeded(self.scheduler.waiting)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            items, self._inbox = list(self._inbox), deque()
+        outputs: list[RequestOutput] = []
+        for kind, item in items:
+            if kind == "add":
+                if self.scheduler.find(item.request_id) is not None:
+                    outputs.append(error_output(item, f"duplicate request id {item.request_id!r}"))
+                else:
+                    self.scheduler.add(item)
+            elif (request := self.scheduler.find(item)) is not None:
+                request.finish_reason = FinishReason.ABORT
+                self.slots.release(request)
+                outputs.append(output(request, [], "", None))
+        return outputs
+
+    def _isolated(
+        self,
+        requests: list[Request],
+        forward: Callable[[list[Request]], Result],
+        commit: Callable[[list[Request], Result, StepStats], list[RequestOutput]],
+        stats: StepStats,
+    ) -> list[RequestOutput]:
+        """``commit(requests, forward(requests))``, where one request's failure ends only that request.
+
+        ``forward`` changes nothing but cache entries past the committed lengths (rewritten alike on a
+        rerun), drafter context (written once) and the requests' generators, whose states are restored;
+        everything a step counts is counted by ``commit``. When it raises for the batch, each request runs
+        alone: the ones that fail again end with the error, the others get exactly the tokens they would
+        have got (the same uniforms, the same target logits in float32).
+        """
+        # Greedy requests draw no uniforms: only sampled ones have generator state to restore.
+        states = [None if r.params.is_greedy else r.generator.get_state() for r in requests]
+        try:
+            result = forward(requests)
+        except Exception as error:
+            if len(requests) == 1:
+                return [self._fail(requests[0], error)]
+            logger.warning("a step over %d requests failed (%s); running each alone", len(requests), error)
+            outputs = []
+            for request, state in zip(requests, states):
+                if state is not None:
+                    request.generator.set_state(state)
+                try:
+                    alone = forward([request])
+                except Exception as request_error:
+                    outputs.append(self._fail(request, request_error))
+                    continue
+                outputs += commit([request], alone, stats)
+            return outputs
+        return commit(requests, result, stats)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End one request with an engine error (its slot is released at the end of the step)."""
+        logger.error("request %s failed in the engine: %r", request.request_id, error, exc_info=error)
+        request.finish_reason = FinishReason.ABORT
+        return error_output(request, f"{type(error).__name__}: {str(error)[:200]}")

@@ -1,0 +1,228 @@
+"""The step's plan: where this step's drafts come from (the drafter, prompt lookup, none) and how many
+each row verifies, from the adaptive policy's estimates (``dflash2/adaptive.py``); and what the policy
+learns from each verify outcome and step timing."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.adaptive import (
+    AcceptanceEstimate,
+    AcceptanceTracker,
+    CostModel,
+    WidthChoice,
+    choose_lookup_width,
+    choose_width,
+)
+from dflash2.config import EngineSpec
+from dflash2.prompt_lookup import PromptLookup
+from dflash2.request import Request
+from dflash2.runner import ModelRunner
+from dflash2.selector import Proposal
+
+logger = logging.getLogger(__name__)
+
+# Tokens of context each row has when the adaptive policy's step costs are timed at start-up: a chat
+# request's prompt and some answer, so attention's share of the cost is not that of an empty cache.
+COST_CONTEXT = 256
+
+
+class DraftSource(enum.Enum):
+    """Where a step's drafts come from."""
+
+    DRAFTER = "drafter"  # one drafter forward over the rows' blocks, then the selector's walk
+    LOOKUP = "lookup"  # copied from each row's own earlier tokens (no drafter forward)
+    NONE = "none"  # an autoregressive step (block size 1, or the policy chose width 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One decode step's speculation, decided before any forward.
+
+    Attributes:
+        source: where the drafts come from.
+        width: W, tokens per row of the drafted block (anchor included; the drafter's block width).
+        num_drafts: per row, the drafts it verifies (≤ W − 1; fewer near ``max_tokens`` or the slot's end).
+        predicted_tokens: tokens the adaptive policy expects the rows to commit (0 without the policy).
+        lookup: the prompt-lookup proposal (one-hot on the copied tokens) when ``source`` is LOOKUP.
+    """
+
+    source: DraftSource
+    width: int
+    num_drafts: list[int]
+    predicted_tokens: float = 0.0
+    lookup: Proposal | None = None
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row of the verify forward: the anchor and the most drafts any row verifies."""
+        return max(self.num_drafts) + 1
+
+
+class SpeculationPolicy:
+    """Chooses each decode step's :class:`Plan` and learns from its outcome.
+
+    Without adaptive speculation every step drafts the full block with the drafter (or none at block
+    size 1). With it, the step's width maximises predicted tokens per second (``choose_width``) and
+    prompt lookup replaces the drafter when every drafting row has a lookup draft and it predicts more.
+    A seeded request keeps the full block from the drafter, so its text does not depend on timings.
+
+    Args:
+        spec: the engine's resolved settings.
+        runner: times the step costs at start-up (adaptive only).
+    """
+
+    def __init__(self, spec: EngineSpec, runner: ModelRunner) -> None:
+        self.spec = spec
+        self.cost_model = self._measure_costs(runner) if spec.adaptive else None
+        self.acceptance = AcceptanceTracker(spec.block_size - 1)
+        self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
+
+    def _measure_costs(self, runner: ModelRunner) -> CostModel:
+        """The cost table: every verify width and the drafter's block, timed now at 1, 2, 4, … rows up to
+        ``max_num_seqs``, each row :data:`COST_CONTEXT` tokens in (a few seconds)."""
+        start = time.perf_counter()
+        slots = self.spec.max_num_seqs
+        row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
+        verify, draft = runner.measure_costs(row_counts, runner.verify_widths, context=COST_CONTEXT)
+        model = CostModel(slots, runner.verify_widths)
+        model.seed(verify, draft)
+        logger.info(
+            "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
+            "drafter block + selector by width: %s",
+            time.perf_counter() - start,
+            ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
+            ", ".join(f"{w}: {1000 * model.draft[(1, w)]:.1f}" for w in model.widths if w > 1),
+        )
+        return model
+
+    # ---- a new request -----------------------------------------------------------------------
+
+    def start(self, request: Request) -> None:
+        """Give a new request its acceptance estimates (from the engine-wide ones) and, with prompt
+        lookup on, its n-gram index over the prompt."""
+        if self.cost_model is not None:
+            request.acceptance = AcceptanceEstimate(list(self.acceptance.values))
+        if self.spec.prompt_lookup_max:
+            request.lookup = PromptLookup(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, request.prompt_ids)
+            request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
+
+    # ---- before the step ---------------------------------------------------------------------
+
+    def plan(self, rows: list[Request]) -> Plan:
+        """This step's plan for ``rows`` (they decode together)."""
+        limits = self.num_drafts(rows)
+        choice = self._choose_width(rows, limits)
+        if choice is None:  # no adaptive policy: the full block from the drafter (none at block size 1)
+            source = DraftSource.DRAFTER if self.spec.speculative else DraftSource.NONE
+            return Plan(source, self.spec.block_size, [min(n, self.spec.block_size - 1) for n in limits])
+        lookup = self._lookup_plan(rows, limits, choice)
+        if lookup is not None:
+            return lookup
+        source = DraftSource.DRAFTER if choice.width > 1 else DraftSource.NONE
+        return Plan(source, choice.width, [min(n, choice.width - 1) for n in limits], choice.predicted_tokens)
+
+    def num_drafts(self, rows: list[Request]) -> list[int]:
+        """Drafts each row may verify: never past ``max_tokens`` or the end of its KV slot."""
+        limit, length = self.spec.block_size - 1, self.spec.max_model_len
+        return [max(0, min(limit, r.remaining_tokens - 1, length - r.num_cached - 1)) for r in rows]
+
+    def _choose_width(self, rows: list[Request], limits: list[int]) -> WidthChoice | None:
+        """The adaptive policy's choice of the verify width with the drafter; None without the policy."""
+        if self.cost_model is None:
+            return None
+        return choose_width(
+            [r.acceptance.values for r in rows if r.acceptance is not None],
+            limits,
+            self.cost_model.widths,
+            self.cost_model.seconds,
+            min_width=self.spec.block_size if seeded(rows) else 1,
+        )
+
+    def _lookup_plan(self, rows: list[Request], limits: list[int], choice: WidthChoice) -> Plan | None:
+        """A prompt-lookup plan (``dflash2/prompt_lookup.py``) when every row that may draft has a lookup
+        draft and verifying them, with no drafter forward, is predicted to commit more tokens per second
+        than ``choice``; the limits are cut to each row's lookup draft. None otherwise, when lookup is off,
+        and for a seeded row."""
+        if not self.spec.prompt_lookup_max or self.cost_model is None or seeded(rows):
+            return None
+        drafts = []
+        for request, limit in zip(rows, limits):
+            assert request.lookup is not None
+            request.lookup.sync(request.output_ids)
+            drafts.append(request.lookup.propose(limit))
+        if not all(d for d, limit in zip(drafts, limits) if limit):
+            return None
+        lookup_limits = [len(d) for d in drafts]
+        lookup = choose_lookup_width(
+            [r.lookup_acceptance.values for r in rows if r.lookup_acceptance is not None],
+            lookup_limits,
+            self.cost_model.widths,
+            self.cost_model.verify_seconds,
+        )
+        if not lookup.rates or lookup.rates[lookup.width] <= choice.rates.get(choice.width, 0.0):
+            return None
+        span = lookup.width - 1
+        draft_ids = torch.tensor([(d + [d[-1] if d else 0] * span)[:span] for d in drafts], device=self.spec.device)
+        ones = torch.ones(len(rows), span, 1, device=self.spec.device)
+        proposal = Proposal(draft_ids, draft_ids[..., None], ones)
+        num_drafts = [min(n, span) for n in lookup_limits]
+        return Plan(DraftSource.LOOKUP, lookup.width, num_drafts, lookup.predicted_tokens, proposal)
+
+    # ---- after the step ----------------------------------------------------------------------
+
+    def observe_costs(
+        self, plan: Plan, num_rows: int, verify_seconds: float, draft_seconds: float, probing: bool
+    ) -> None:
+        """Fold a decode step's timings into the cost table (not a step at a probed thread count, which is
+        not what the table describes; a lookup step's drafting cost is not the drafter's)."""
+        if self.cost_model is None or probing:
+            return
+        draft = None if plan.source is DraftSource.LOOKUP else draft_seconds
+        self.cost_model.observe(num_rows, plan.verify_width, verify_seconds, draft)
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int, lookup: bool) -> None:
+        """Fold a row's verify outcome into the estimates for the source of its drafts (prompt lookup or
+        the drafter); the other source's estimate relaxes toward its engine-wide one, so a row that
+        stopped using a source tries it again later."""
+        if request.acceptance is None:
+            return
+        if lookup:
+            assert request.lookup_acceptance is not None
+            _fold(request.lookup_acceptance, self.lookup_acceptance, num_drafts, num_accepted)
+            request.acceptance.relax(self.acceptance.values)
+            return
+        _fold(request.acceptance, self.acceptance, num_drafts, num_accepted)
+        if request.lookup_acceptance is not None:
+            request.lookup_acceptance.relax(self.lookup_acceptance.values)
+
+    def end_step(self, plan: Plan) -> None:
+        """After every row was observed: a step where the drafter's acceptance was not observed lets its
+        engine-wide estimate recover toward the long run (no lock-out); likewise prompt lookup's."""
+        lookup = plan.source is DraftSource.LOOKUP
+        if self.cost_model is not None and (lookup or not any(plan.num_drafts)):
+            self.acceptance.idle_step()
+        if self.spec.prompt_lookup_max and not lookup:
+            self.lookup_acceptance.idle_step()
+
+
+def _fold(estimate: AcceptanceEstimate, tracker: AcceptanceTracker, num_drafts: int, num_accepted: int) -> None:
+    """A row's verify outcome into its estimate and the engine-wide tracker; without drafts, the row's
+    estimate relaxes toward the tracker's."""
+    if num_drafts:
+        estimate.observe(num_drafts, num_accepted)
+        tracker.observe(num_drafts, num_accepted)
+    else:
+        estimate.relax(tracker.values)
+
+
+def seeded(rows: Iterable[Request]) -> bool:
+    """True when a row has its own seed: its text must not depend on load or timings (a greedy one's too:
+    in bfloat16 rounding can break a near-tie either way)."""
+    return any(r.params.seed is not None for r in rows)

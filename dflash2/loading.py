@@ -1,0 +1,103 @@
+"""Loading what an ``EngineConfig`` names: the target, its tokenizer and the drafter, in the resolved
+device and dtype (the engine, the offline commands and the benchmarks share it)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash2.config import DTYPES, EngineConfig
+from dflash2.models import cpu_kernels
+from dflash2.models.base import Target
+from dflash2.models.drafter import DFlashDrafter
+from dflash2.platform import cpu_has_native_bf16
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModels:
+    """The models an engine is built from.
+
+    Attributes:
+        tokenizer: Hugging Face tokenizer; target: the loaded target; drafter: bound to the target, or
+        None (autoregressive decoding); eos_token_ids: ids that end a request; model_name: the name
+        reported to clients.
+    """
+
+    tokenizer: Any
+    target: Target
+    drafter: DFlashDrafter | None
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype ``config.dtype`` names. ``auto``: bfloat16 on CUDA, on CPUs with native bfloat16 matrix
+    instructions (AVX512-BF16 or AMX) and on other CPUs with AVX2 where the project's bfloat16 kernel
+    builds (:mod:`dflash2.models.cpu_kernels`, built the first time it is asked); float32 elsewhere."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    device = config.torch_device
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and (cpu_has_native_bf16() or cpu_kernels.available()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_models(config: EngineConfig) -> LoadedModels:
+    """Resolve and load target, tokenizer and drafter as ``config`` says (and set torch's CPU threads).
+
+    Raises:
+        dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with a message
+            that says what to do.
+    """
+    from dflash2.models import loader, source
+    from dflash2.platform import configure_threads
+
+    configure_threads(config.num_threads)
+    folder = source.resolve_model(config.model)
+    device, dtype = config.torch_device, resolve_dtype(config)
+    tokenizer = loader.load_tokenizer(folder)
+    target = loader.load_target(folder, dtype, device)
+    drafter = None
+    drafter_path = resolve_drafter_path(config)
+    if config.block_size != 1:
+        if drafter_path is not None:
+            drafter = loader.load_drafter(
+                Path(drafter_path), target, dtype, device, config.speculative_draft_vocab_size
+            )
+        elif config.model is None:
+            drafter = untrained_default_drafter(target, dtype, device)
+            if config.speculative_draft_vocab_size is not None:
+                drafter.limit_draft_vocab(config.speculative_draft_vocab_size)
+    name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
+    return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name)
+
+
+def default_drafter_path() -> Path | None:
+    """The drafter shipped for the embedded default model, if this installation has one."""
+    path = Path(__file__).parent / "assets" / "smollm2-135m-dflash2"
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_drafter_path(config: EngineConfig) -> str | Path | None:
+    """The drafter folder a config asks for: ``config.drafter``, else the shipped one for the
+    embedded default model, else None."""
+    return config.drafter or (default_drafter_path() if config.model is None else None)
+
+
+def untrained_default_drafter(target: Target, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """A randomly initialised DFlash 2 drafter shaped for the target (used until one is trained)."""
+    from dflash2.models.drafter_factory import drafter_config_for_target
+
+    logger.warning("no trained drafter found for the embedded model; using an untrained drafter (low acceptance)")
+    drafter = DFlashDrafter(drafter_config_for_target(target.config))
+    drafter.init_weights(seed=0)
+    drafter.bind_target(*target.embedding_weights())
+    return drafter.to(device=device, dtype=dtype).eval()
