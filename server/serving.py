@@ -304,6 +304,8 @@ class OpenAIServing:
     async def _chat_chunks(
         self, request: ChatCompletionRequest, generation: Generation, plan: ToolPlan
     ) -> AsyncIterator[str]:
+        """The chunks of a chat stream: role deltas, content and tool-call deltas, finish chunks, usage."""
+
         def chunk(choice: ChatStreamChoice | None, **extras: Any) -> str:
             return ChatCompletionChunk(
                 id=generation.id,
@@ -325,37 +327,33 @@ class OpenAIServing:
                 arguments = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[arguments])))
 
-        async def body() -> AsyncIterator[str]:
-            for i in range(request.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            async for i, output in generation.outputs():
-                logprobs = chat_logprobs(output.new_logprobs or [], self._token_text) if request.logprobs else None
-                first_index = replies[i].num_calls
-                text, calls = replies[i].feed(output)
-                if text or (logprobs and logprobs.content):
-                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))
-                for event in call_deltas(i, first_index, calls):
-                    yield event
-                if output.finished:
-                    finish = ChatStreamChoice(
-                        index=i,
-                        delta=DeltaMessage(),
-                        finish_reason=tool_finish_reason(output.finish_reason, replies[i].num_calls > 0),
-                        stop_reason=output.stop_reason,
-                    )
-                    yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
-            if request.include_usage:
-                states = generation.states
-                yield chunk(
-                    None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states)
+        for i in range(request.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for i, output in generation.outputs():
+            logprobs = chat_logprobs(output.new_logprobs or [], self._token_text) if request.logprobs else None
+            first_index = replies[i].num_calls
+            text, calls = replies[i].feed(output)
+            if text or (logprobs and logprobs.content):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))
+            for event in call_deltas(i, first_index, calls):
+                yield event
+            if output.finished:
+                finish = ChatStreamChoice(
+                    index=i,
+                    delta=DeltaMessage(),
+                    finish_reason=tool_finish_reason(output.finish_reason, replies[i].num_calls > 0),
+                    stop_reason=output.stop_reason,
                 )
-
-        async for event in body():
-            yield event
+                yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
+        if request.include_usage:
+            states = generation.states
+            yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
 
     async def _completion_chunks(
         self, request: CompletionRequest, generation: Generation, echo: str
     ) -> AsyncIterator[str]:
+        """The chunks of a completion stream: the echoed prompt, text deltas, finish chunks, usage."""
+
         def chunk(choice: CompletionChoice | None, **extras: Any) -> str:
             return CompletionChunk(
                 id=generation.id,
@@ -365,35 +363,29 @@ class OpenAIServing:
                 **extras,
             ).model_dump_json()
 
-        async def body() -> AsyncIterator[str]:
-            if echo:
-                for i in range(request.n):
-                    yield chunk(CompletionChoice(index=i, text=echo))
-            offsets = [0] * request.n
-            async for i, output in generation.outputs():
-                new_logprobs = output.new_logprobs or []
-                logprobs = (
-                    completion_logprobs(new_logprobs, offsets[i], self._token_text)
-                    if request.logprobs is not None
-                    else None
+        if echo:
+            for i in range(request.n):
+                yield chunk(CompletionChoice(index=i, text=echo))
+        offsets = [0] * request.n
+        async for i, output in generation.outputs():
+            new_logprobs = output.new_logprobs or []
+            logprobs = (
+                completion_logprobs(new_logprobs, offsets[i], self._token_text)
+                if request.logprobs is not None
+                else None
+            )
+            offsets[i] += sum(len(self._token_text(lp.token_id)) for lp in new_logprobs)
+            text = visible_text(output)
+            if text or (new_logprobs and logprobs):
+                yield chunk(CompletionChoice(index=i, text=text, logprobs=logprobs))
+            if output.finished:
+                finish = CompletionChoice(
+                    index=i, text="", finish_reason=output.finish_reason, stop_reason=output.stop_reason
                 )
-                offsets[i] += sum(len(self._token_text(lp.token_id)) for lp in new_logprobs)
-                text = visible_text(output)
-                if text or (new_logprobs and logprobs):
-                    yield chunk(CompletionChoice(index=i, text=text, logprobs=logprobs))
-                if output.finished:
-                    finish = CompletionChoice(
-                        index=i, text="", finish_reason=output.finish_reason, stop_reason=output.stop_reason
-                    )
-                    yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
-            if request.include_usage:
-                states = generation.states
-                yield chunk(
-                    None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states)
-                )
-
-        async for event in body():
-            yield event
+                yield chunk(finish, dflash2=spec_decode_info([generation.states[i]]))
+        if request.include_usage:
+            states = generation.states
+            yield chunk(None, usage=usage_info(generation.num_prompt_tokens, states), dflash2=spec_decode_info(states))
 
     # ---- checks ----------------------------------------------------------------------------------
 
