@@ -37,7 +37,8 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from server.responses_api import RESPONSES_SSE_ALTERNATIVE, ResponseObject, ResponsesRequest, ResponsesServing
+from server.responses.protocol import ResponseObject, ResponsesRequest
+from server.responses.serving import ResponsesServing
 from server.serving import OpenAIServing
 from server.state import ServerState
 
@@ -115,6 +116,11 @@ _SSE_ALTERNATIVE: dict[str, Any] = {
     "description": "JSON, or with stream: true server-sent events (chunk objects, then data: [DONE])",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
+# The same for the Responses API, whose stream has named events and no [DONE].
+_RESPONSES_SSE_ALTERNATIVE: dict[str, Any] = {
+    "description": "JSON, or with stream: true server-sent events (event: <type>, data: <event object>)",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
 
 api = APIRouter(dependencies=[Depends(check_api_key)], responses=ERROR_RESPONSES)
 public = APIRouter()
@@ -143,7 +149,7 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
 @api.post(
     "/v1/responses",
     response_model=None,
-    responses={200: {"model": ResponseObject, **RESPONSES_SSE_ALTERNATIVE}},
+    responses={200: {"model": ResponseObject, **_RESPONSES_SSE_ALTERNATIVE}},
 )
 async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
     """OpenAI Responses API, stateless: the whole conversation is sent as ``input`` each time (``stream: true``

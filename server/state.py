@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from server.admission import Admission
 from server.engine_client import EngineClient
 from server.metrics import Metrics
-from server.serving import ModelInfo, OpenAIServing
+from server.model_info import ModelInfo
+from server.serving import OpenAIServing
 from server.settings import ServerSettings
 
 if TYPE_CHECKING:

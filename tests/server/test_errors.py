@@ -12,8 +12,8 @@ import jinja2.exceptions
 import pytest
 
 from server.app import create_app
+from server.chat_template import template_error_message
 from server.engine_client import EngineClient
-from server.serving import template_error_message
 from server.settings import ServerSettings
 from tests.live_server import ServerThread
 from tests.server.conftest import asgi_client, wait_for

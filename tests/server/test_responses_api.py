@@ -14,15 +14,9 @@ import pytest
 from dflash2.request import RequestOutput, StepStats
 from dflash2.sampling import SamplingParams
 from server.protocol import UsageInfo
-from server.responses_api import (
-    OutputFunctionCall,
-    OutputMessage,
-    ResponseObject,
-    ResponsesRequest,
-    ResponseStream,
-    output_items,
-    responses_param,
-)
+from server.responses.convert import responses_param
+from server.responses.protocol import OutputFunctionCall, OutputMessage, ResponseObject, ResponsesRequest, output_items
+from server.responses.stream import ResponseStream
 from server.tool_parsers import ParsedToolCall
 from tests.server.conftest import asgi_client, wait_for
 from tests.server.fakes import FakeEngine, FakeRequest

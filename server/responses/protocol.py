@@ -1,50 +1,25 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless, over the chat completions path.
+"""The Responses API's models: the request and its input items, the Response object and the stream events.
 
-A Responses request is converted into a validated ``ChatCompletionRequest`` (``ResponsesRequest.to_chat``), so
-tools, ``tool_choice``, grammar-enforced structured outputs and prompt rendering are exactly those of chat
-completions; the chat outputs are then written as a Response object, or as Responses stream events.
-
-The server keeps nothing between requests: ``store: true``, ``previous_response_id``, ``conversation`` and
-``background: true`` are 400s that say so (the client sends the whole conversation as ``input`` each time).
-Errors name the Responses field (``input[2].type``, ``text.format.schema``, ``max_output_tokens``), also when
-they come from the chat checks.
-
-Stream events (``event: <type>`` and ``data: <json>``, each with an increasing ``sequence_number``, no
-``[DONE]``): ``response.created`` → ``response.in_progress`` → per text item ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta``…, ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done`` → per tool call ``response.output_item.added``,
-``response.function_call_arguments.delta``, ``response.function_call_arguments.done``,
-``response.output_item.done`` → ``response.completed`` or ``response.incomplete`` carrying the whole response.
-An error after the stream started is one ``response.failed`` event.
+Requests are strict, as chat's (``server/protocol.py``): input items, content parts and tools are validated one by
+one so that errors name ``input[i]…`` / ``tools[i]…`` exactly, and an unsupported item, part or tool type is a 400
+naming its ``type``. The server keeps nothing between requests: ``store: true``, ``previous_response_id``,
+``conversation`` and ``background: true`` are 400s that say so (``ResponsesRequest.check``).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from sse_starlette.sse import ServerSentEvent
-from starlette.responses import Response
 
-from server.errors import APIError, InvalidRequestError, describe_validation_error, error_body, error_kind
-from server.protocol import (
-    MAX_TOOLS,
-    NAME_PATTERN,
-    ChatCompletionRequest,
-    FunctionDefinition,
-    NamedToolChoice,
-    StrictModel,
-    UsageInfo,
-)
-from server.serving import Generation, OpenAIServing, usage_info, visible_text
-from server.tool_calling import ToolPlan, new_tool_call_id
+from server.errors import InvalidRequestError
+from server.protocol import MAX_TOOLS, NAME_PATTERN, FunctionDefinition, StrictModel, UsageInfo
+from server.responses.convert import ChatConversion, chat_conversion
+from server.tool_calling import new_tool_call_id
 from server.tool_parsers import ParsedToolCall
 
 logger = logging.getLogger(__name__)
@@ -124,6 +99,11 @@ class InputFunctionCallOutput(StrictModel):
     output: str | list[InputTextPart]
     id: str | None = None
     status: ItemStatus | None = None
+
+    @property
+    def text(self) -> str:
+        """The output as one string (text parts joined)."""
+        return _joined(self.output)
 
 
 class InputReasoning(BaseModel):
@@ -269,121 +249,18 @@ class ResponsesRequest(StrictModel):
             logger.debug("ignoring %s (no effect on this server's output)", ", ".join(ignored))
 
     def to_chat(self) -> ChatConversion:
-        """The equivalent chat completions request, and where each of its messages came from.
-
-        ``instructions`` become a system message first; consecutive ``function_call`` items join one assistant
-        message (the one right before them, if it is an assistant message); ``function_call_output`` items become
-        ``tool`` messages; reasoning items are dropped.
+        """The equivalent chat completions request, and where each of its messages came from
+        (``server/responses/convert.py``).
 
         Raises:
             InvalidRequestError: no message at all, or the chat request does not validate (naming the Responses
                 field where it can).
         """
-        messages: list[dict[str, Any]] = []
-        sources: list[str] = []
-        if self.instructions is not None:
-            messages.append({"role": "system", "content": self.instructions})
-            sources.append("instructions")
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for i, item in enumerate(items):
-            source = "input" if isinstance(self.input, str) else f"input[{i}]"
-            if isinstance(item, InputMessage):
-                messages.append({"role": item.role, "content": item.text})
-            elif isinstance(item, InputFunctionCall):
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                if messages and messages[-1]["role"] == "assistant":
-                    messages[-1].setdefault("tool_calls", []).append(call)
-                    continue
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif isinstance(item, InputFunctionCallOutput):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _joined(item.output)})
-            else:
-                continue  # reasoning
-            sources.append(source)
-        if not messages:
-            raise InvalidRequestError("input must contain at least one message (or give instructions)", "input")
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stream": self.stream,
-            "user": self.user,
-            "tools": [
-                {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-                for tool in self.tools or ()
-            ]
-            or None,
-            "tool_choice": (
-                {"type": "function", "function": {"name": self.tool_choice.name}}
-                if isinstance(self.tool_choice, FunctionToolChoice)
-                else self.tool_choice
-            ),
-            "parallel_tool_calls": self.parallel_tool_calls,
-            "response_format": _response_format(self.text.format if self.text else None),
-        }
-        try:
-            chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-        except ValidationError as exc:  # a safety net: the fields above are validated already
-            message, param = describe_validation_error(exc.errors())
-            raise InvalidRequestError(message, responses_param(param, sources)) from exc
-        return ChatConversion(chat, sources)
-
-
-@dataclass(frozen=True)
-class ChatConversion:
-    """A Responses request as a chat request; ``sources[k]`` is the Responses field that gave ``messages[k]``."""
-
-    request: ChatCompletionRequest
-    sources: list[str]
-
-    def param(self, chat_param: str | None) -> str | None:
-        """The Responses field for a field of ``request`` (see ``responses_param``)."""
-        return responses_param(chat_param, self.sources)
-
-
-_MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
-_PARAM_RENAMES = (
-    (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
-    (re.compile(r"^response_format\.json_schema(?=\.|$)"), "text.format"),
-    (re.compile(r"^response_format(?=\.|$)"), "text.format"),
-    (re.compile(r"^(tools\[\d+\])\.function(?=\.|$)"), r"\1"),
-    (re.compile(r"^messages$"), "input"),
-)
-
-
-def responses_param(chat_param: str | None, sources: Sequence[str]) -> str | None:
-    """The Responses field for a chat field: ``messages[k]…`` → ``sources[k]`` (``input[2]``, ``instructions``),
-    ``response_format.json_schema.schema`` → ``text.format.schema``, ``tools[0].function.parameters`` →
-    ``tools[0].parameters``, ``max_tokens`` → ``max_output_tokens``; other names are the same in both."""
-    if chat_param is None:
-        return None
-    message = _MESSAGE_PARAM.match(chat_param)
-    if message:
-        index = int(message.group(1))
-        return sources[index] if index < len(sources) else "input"
-    for pattern, replacement in _PARAM_RENAMES:
-        chat_param = pattern.sub(replacement, chat_param)
-    return chat_param
+        return chat_conversion(self)
 
 
 def _joined(content: str | list[InputTextPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
-def _response_format(text_format: TextFormat | None) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format``."""
-    if text_format is None:
-        return None
-    if text_format.type != "json_schema":
-        return {"type": text_format.type}
-    schema = text_format.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
-    return {"type": "json_schema", "json_schema": schema}
 
 
 def _fail(loc: tuple[str | int, ...], kind: str, message: str, value: Any) -> ValidationError:
@@ -653,216 +530,3 @@ class FunctionCallArgumentsDoneEvent(StreamEvent):
     item_id: str
     output_index: int
     arguments: str
-
-
-class ResponseStream:
-    """The stream events of one response, from text deltas and completed tool calls.
-
-    Each method returns the server-sent events to send now; the response's ``output`` grows as items are added,
-    so the final event carries the same items the stream announced. Text after a tool call starts a new message
-    item.
-    """
-
-    def __init__(self, response: ResponseObject) -> None:
-        self.response = response
-        self._sequence = 0
-        self._message: OutputMessage | None = None
-        self._message_index = 0
-
-    def start(self) -> list[ServerSentEvent]:
-        """``response.created`` and ``response.in_progress``."""
-        self.response.status = "in_progress"
-        return [
-            self._send(ResponseLifecycleEvent(type="response.created", response=self.response)),
-            self._send(ResponseLifecycleEvent(type="response.in_progress", response=self.response)),
-        ]
-
-    def text(self, delta: str) -> list[ServerSentEvent]:
-        """A text delta (opening a message item first when none is open)."""
-        if not delta:
-            return []
-        events = []
-        if self._message is None:
-            self._message, self._message_index = OutputMessage(status="in_progress"), len(self.response.output)
-            self.response.output.append(self._message)
-            events.append(self._send(self._item_event("response.output_item.added", self._message)))
-            self._message.content.append(OutputText())
-            events.append(self._send(self._part_event("response.content_part.added", self._message)))
-        self._message.content[0].text += delta
-        events.append(
-            self._send(OutputTextDeltaEvent(item_id=self._message.id, output_index=self._message_index, delta=delta))
-        )
-        return events
-
-    def calls(self, calls: Sequence[ParsedToolCall]) -> list[ServerSentEvent]:
-        """Completed tool calls: one ``function_call`` item each (closing an open message item first)."""
-        events = self._close_message("completed") if calls else []
-        for call in calls:
-            item, index = (
-                OutputFunctionCall(name=call.name, arguments="", status="in_progress"),
-                len(self.response.output),
-            )
-            self.response.output.append(item)
-            events.append(self._send(self._item_event("response.output_item.added", item)))
-            item.arguments = call.arguments
-            events.append(
-                self._send(FunctionCallArgumentsDeltaEvent(item_id=item.id, output_index=index, delta=call.arguments))
-            )
-            events.append(
-                self._send(
-                    FunctionCallArgumentsDoneEvent(item_id=item.id, output_index=index, arguments=call.arguments)
-                )
-            )
-            item.status = "completed"
-            events.append(self._send(self._item_event("response.output_item.done", item)))
-        return events
-
-    def finish(self, usage: UsageInfo, incomplete: bool) -> list[ServerSentEvent]:
-        """The end: close an open message item, then ``response.completed`` (or ``response.incomplete``)."""
-        events = self._close_message("incomplete" if incomplete else "completed")
-        self.response.finish(usage, incomplete)
-        kind: Literal["response.completed", "response.incomplete"] = (
-            "response.incomplete" if incomplete else "response.completed"
-        )
-        events.append(self._send(ResponseLifecycleEvent(type=kind, response=self.response)))
-        return events
-
-    def fail(self, exc: BaseException) -> ServerSentEvent:
-        """``response.failed`` for an error after the stream started (internals of unexpected errors hidden)."""
-        kind = error_kind(exc)
-        code = "server_error" if kind.status >= 500 else (kind.code or kind.type)
-        self.response.status = "failed"
-        self.response.error = ResponseError(code=code, message=error_body(exc).error.message)
-        return self._send(ResponseLifecycleEvent(type="response.failed", response=self.response))
-
-    def _close_message(self, status: ItemStatus) -> list[ServerSentEvent]:
-        message, self._message = self._message, None
-        if message is None:
-            return []
-        index, part = self._message_index, message.content[0]
-        message.status = status
-        return [
-            self._send(OutputTextDoneEvent(item_id=message.id, output_index=index, text=part.text)),
-            self._send(self._part_event("response.content_part.done", message)),
-            self._send(self._item_event("response.output_item.done", message)),
-        ]
-
-    def _item_event(
-        self, kind: Literal["response.output_item.added", "response.output_item.done"], item: OutputItem
-    ) -> OutputItemEvent:
-        return OutputItemEvent(type=kind, output_index=self.response.output.index(item), item=item)
-
-    def _part_event(
-        self, kind: Literal["response.content_part.added", "response.content_part.done"], message: OutputMessage
-    ) -> ContentPartEvent:
-        return ContentPartEvent(
-            type=kind, item_id=message.id, output_index=self._message_index, part=message.content[0]
-        )
-
-    def _send(self, event: StreamEvent) -> ServerSentEvent:
-        """Number the event and encode it now (later changes to the response do not reach sent events)."""
-        event.sequence_number = self._sequence
-        self._sequence += 1
-        return ServerSentEvent(event.model_dump_json(), event=event.type, sep="\n")
-
-
-# ---- serving -----------------------------------------------------------------------------------
-
-# For the OpenAPI schema of the route: the same 200 is an event stream with stream: true.
-RESPONSES_SSE_ALTERNATIVE: dict[str, Any] = {
-    "description": "JSON, or with stream: true server-sent events (event: <type>, data: <event object>)",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
-}
-
-
-class ResponsesServing:
-    """``POST /v1/responses`` over the chat path of an ``OpenAIServing``."""
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-
-    async def create_response(self, request: ResponsesRequest) -> Response:
-        """Check, convert, start the chat generation; a Response object, or its event stream."""
-        request.check()
-        conversion = request.to_chat()
-        chat = conversion.request
-        try:
-            generation, plan = await self.serving.start_chat(chat)
-        except APIError as exc:
-            chat_param, exc.param = exc.param, conversion.param(exc.param)
-            if chat_param and exc.param and exc.message.startswith(chat_param):  # the message names it too
-                exc.message = exc.param + exc.message[len(chat_param) :]
-                exc.args = (exc.message,)
-            raise
-        try:
-            response = self._new_response(request, chat, generation)
-        except BaseException:
-            generation.close()
-            raise
-        if request.stream:
-            return self.serving.event_stream(self._events(ResponseStream(response), generation, plan), generation)
-        (state,) = await generation.collect()
-        incomplete = state.finish_reason == "length"
-        content, calls = plan.parse(state.text, cut=incomplete)
-        response.output = output_items(content, calls, incomplete)
-        response.finish(usage_info(generation.num_prompt_tokens, [state]), incomplete)
-        return JSONResponse(response.model_dump())
-
-    def _new_response(
-        self, request: ResponsesRequest, chat: ChatCompletionRequest, generation: Generation
-    ) -> ResponseObject:
-        """The response as it starts: settings echoed, no output yet."""
-        choice = chat.effective_tool_choice
-        text_format = request.text.format if request.text and request.text.format else TextFormat(type="text")
-        text: dict[str, Any] = {"format": text_format.model_dump(by_alias=True, exclude_none=True)}
-        if request.text is not None and request.text.verbosity is not None:
-            text["verbosity"] = request.text.verbosity
-        return ResponseObject(
-            id=f"resp_{generation.id.rpartition('-')[2]}",
-            created_at=generation.created,
-            status="in_progress",
-            model=self.serving.model.name,
-            instructions=request.instructions,
-            tools=[tool.model_dump(exclude_unset=True) for tool in request.tools or ()],
-            tool_choice={"type": "function", "name": choice.function.name}
-            if isinstance(choice, NamedToolChoice)
-            else choice,
-            parallel_tool_calls=self.serving.default_parallel_tool_calls
-            if request.parallel_tool_calls is None
-            else request.parallel_tool_calls,
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            max_output_tokens=request.max_output_tokens,
-            text=text,
-            metadata=request.metadata or {},
-            user=request.user,
-        )
-
-    async def _events(
-        self, stream: ResponseStream, generation: Generation, plan: ToolPlan
-    ) -> AsyncIterator[ServerSentEvent]:
-        """The event stream; the generation is closed however it ends (a client that went away aborts it)."""
-        try:
-            for event in stream.start():
-                yield event
-            streamer = plan.streamer()
-            async for _, output in generation.outputs():
-                text, calls = visible_text(output), list[ParsedToolCall]()
-                if streamer is not None:
-                    text, calls = streamer.feed(text)
-                    if output.finished:
-                        tail, more = streamer.finish(cut=output.finish_reason == "length")
-                        text, calls = text + tail, calls + more
-                for event in stream.text(text) + stream.calls(calls):
-                    yield event
-            (state,) = generation.states
-            for event in stream.finish(
-                usage_info(generation.num_prompt_tokens, [state]), state.finish_reason == "length"
-            ):
-                yield event
-        except Exception as exc:
-            if error_kind(exc).status == 500:
-                logger.error("stream %s failed", generation.id, exc_info=exc)
-            yield stream.fail(exc)
-        finally:
-            generation.close()
