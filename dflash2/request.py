@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash2.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from dflash2.adaptive import AcceptanceEstimate
+    from dflash2.detokenize import IncrementalDetokenizer
+    from dflash2.prompt_lookup import PromptLookup
 
 
 def mean_acceptance_length(num_accepted_tokens: int, num_verify_steps: int) -> float:
@@ -97,15 +104,15 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    detokenizer: Any
-    matcher: Any = None  # llguidance LLMatcher at the committed state, for requests with a grammar
+    detokenizer: IncrementalDetokenizer | None  # None when the engine has no tokenizer
+    matcher: LLMatcher | None = None  # at the committed state, for requests with a grammar
     # The budget rule (dflash2.grammar): the first position of this step's block whose mask it restricted
     # (None: none), and whether a committed token was sampled under it (the request then ends by length).
     closing_from: int | None = None
     budget_closed: bool = False
-    acceptance: Any = None  # dflash2.adaptive.AcceptanceEstimate of this request's drafts (adaptive mode)
-    lookup: Any = None  # dflash2.prompt_lookup.PromptLookup over its tokens (prompt lookup on)
-    lookup_acceptance: Any = None  # AcceptanceEstimate of its prompt-lookup drafts
+    acceptance: AcceptanceEstimate | None = None  # of this request's drafter drafts (adaptive mode)
+    lookup: PromptLookup | None = None  # the n-gram index over its tokens (prompt lookup on)
+    lookup_acceptance: AcceptanceEstimate | None = None  # of its prompt-lookup drafts
     pending_context: PendingContext = field(default_factory=PendingContext)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
