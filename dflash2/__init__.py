@@ -7,7 +7,7 @@ for servers and benchmarks that drive steps themselves.
 from dflash2.api import LLM, Completion
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.request import RequestOutput, StepResult, StepStats
+from dflash2.outputs import RequestOutput, StepResult, StepStats
 from dflash2.sampling import SamplingParams
 
 __all__ = [

@@ -8,7 +8,7 @@ from typing import Any
 
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.request import RequestOutput, StepResult, TokenLogprob, mean_acceptance_length
+from dflash2.outputs import RequestOutput, StepResult, TokenLogprob, mean_acceptance_length
 from dflash2.sampling import SamplingParams
 
 

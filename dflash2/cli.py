@@ -25,7 +25,7 @@ from dflash2.engine_args import (
     default_log_level,
     engine_config_from_args,
 )
-from dflash2.request import mean_acceptance_length
+from dflash2.outputs import mean_acceptance_length
 from dflash2.sampling import SamplingParams
 
 _BENCH_DEFAULTS = BenchConfig()
@@ -288,6 +288,8 @@ def _bench(args: argparse.Namespace) -> int:
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         eager_rows=args.eager_rows,
         adaptive_rows=args.adaptive_rows,
+        tree_nodes=tuple(args.tree_nodes),
+        tree_topk=args.tree_topk,
         startup=args.startup,
         gguf=args.gguf,
         single_stream=args.single_stream,
@@ -356,6 +358,21 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.adaptive_rows,
         help="also measure each dflash2 method with the adaptive verify width (rows dflash2-b8-adaptive)",
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        nargs="*",
+        default=list(d.tree_nodes),
+        metavar="N",
+        help="also measure each dflash2 method verifying token trees of N nodes at full blocks "
+        "(rows dflash2-b8-tree-N; none when given no value) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tree-topk",
+        type=int,
+        default=d.tree_topk,
+        help="branching per depth of the tree rows (default: %(default)s)",
     )
     parser.add_argument(
         "--startup",

@@ -20,6 +20,8 @@ DEFAULT_PROMPT_LOOKUP_MIN = 2  # the shortest, when prompt_lookup_min is None
 # The longest n-gram either bound may name: each request indexes (max − min + 1) n-grams of up to max
 # tokens per token of its context, so memory grows with the context length times max².
 MAX_PROMPT_LOOKUP_N = 16
+# The widest token tree's branching per depth (the drafter's candidates per slot bound it too).
+MAX_SPECULATIVE_TOPK = 16
 
 
 @dataclass(frozen=True)
@@ -50,18 +52,25 @@ class EngineConfig:
             the drafter's block are compiled (inductor on CPU, CUDA graphs on CUDA) and fall
             back to eager mode with a warning when compilation fails (docs/engine.md).
         enable_prefix_caching: reuse the target KV and drafter context of the longest prompt
-            prefix another request already computed (``dflash2/prefix_cache.py``).
+            prefix another request already computed (``dflash2/engine/prefix_cache.py``).
         speculative_adaptive: choose each step's verify width (drafts per row, 0 … B−1) from live
-            acceptance and the measured step cost (``dflash2/adaptive.py``); False: always the
+            acceptance and the measured step cost (``dflash2/spec/adaptive.py``); False: always the
             full block.
         prompt_lookup_max, prompt_lookup_min: prompt lookup beside the drafter
-            (``dflash2/prompt_lookup.py``): a step may verify the tokens that followed the latest
+            (``dflash2/spec/prompt_lookup.py``): a step may verify the tokens that followed the latest
             earlier occurrence of a row's last ``prompt_lookup_max`` … ``prompt_lookup_min`` tokens
             instead of running the drafter, when the adaptive policy predicts more tokens per second
             from it. Needs adaptive speculation and a drafter. Both None (the default): on with
             4 … 2 where the engine speculates adaptively, else off. ``prompt_lookup_max`` 0: off;
             either bound given: on, and an error where it cannot run; ``prompt_lookup_min`` alone
             raises the maximum to at least itself. Each is at most ``MAX_PROMPT_LOOKUP_N`` (16).
+        speculative_topk: branching of the token tree a drafted step verifies (SGLang's
+            ``--speculative-eagle-topk``; ``dflash2/spec/tree.py``): the beam keeps this many paths
+            per depth through the selector lattice. 1 (the default): one path, the chain.
+        speculative_num_draft_tokens: tokens a drafted step verifies per row, the anchor included
+            (SGLang's ``--speculative-num-draft-tokens``): for a chain that is the block size (given
+            alone it sets ``block_size``), for a tree its node budget at the full block (a narrower
+            step keeps the same share of it); None = B for a chain, ``2 · B − 1`` for a tree.
         deterministic: batch-invariant forwards (``dflash2.models.layers.batch_invariant``): a
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
@@ -85,6 +94,8 @@ class EngineConfig:
     speculative_adaptive: bool = True
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    speculative_topk: int = 1
+    speculative_num_draft_tokens: int | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -93,6 +104,12 @@ class EngineConfig:
         if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
             raise ValueError("speculative_draft_vocab_size (--speculative-draft-vocab-size) must be at least 1")
         self._check_prompt_lookup()
+        if not 1 <= self.speculative_topk <= MAX_SPECULATIVE_TOPK:
+            raise ValueError(f"speculative_topk (--speculative-topk) must be 1 … {MAX_SPECULATIVE_TOPK}")
+        if self.speculative_num_draft_tokens is not None and not 1 <= self.speculative_num_draft_tokens <= 256:
+            raise ValueError("speculative_num_draft_tokens (--speculative-num-draft-tokens) must be 1 … 256")
+        if self.speculative_topk > 1 and self.speculative_num_draft_tokens == 1:
+            raise ValueError("a token tree (--speculative-topk > 1) needs --speculative-num-draft-tokens ≥ 2")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.num_threads is not None and self.num_threads < 1:
@@ -170,6 +187,8 @@ class EngineSpec:
         max_model_len: positions per KV slot (longest prompt + output).
         device: where the weights and caches live.
         vocab_size: the target's vocabulary.
+        tree_topk: branching of the token trees drafted steps verify (1: chains).
+        tree_nodes: drafted nodes of a full-block tree per row, the anchor not counted (0: chains).
     """
 
     config: EngineConfig
@@ -182,6 +201,13 @@ class EngineSpec:
     max_model_len: int
     device: torch.device
     vocab_size: int
+    tree_topk: int = 1
+    tree_nodes: int = 0
+
+    @property
+    def tree(self) -> bool:
+        """Drafted steps verify token trees rather than chains."""
+        return self.tree_nodes > 0
 
 
 def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> EngineSpec:
@@ -206,6 +232,7 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
         )
     longest, shortest = config.prompt_lookup_bounds
     device = embed_weight.device
+    tree_topk, tree_nodes = _tree(config, target, drafter, block_size)
     kv_bytes = _kv_bytes_per_token(target, drafter if speculative else None)
     return EngineSpec(
         config=config,
@@ -218,15 +245,51 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
         max_model_len=config.max_model_len or _default_max_model_len(target, kv_bytes, config.max_num_seqs, device),
         device=device,
         vocab_size=int(embed_weight.shape[0]),
+        tree_topk=tree_topk,
+        tree_nodes=tree_nodes,
     )
+
+
+def _tree(config: EngineConfig, target: Any, drafter: Any | None, block_size: int) -> tuple[int, int]:
+    """``(topk, nodes)`` of the token trees drafted steps verify; ``(1, 0)`` for chains.
+
+    Raises:
+        ValueError: a tree asked for where it cannot run (no drafter, the transformers fallback target,
+            deterministic mode, topk above the drafter's candidates), or a chain given a node budget other
+            than its B − 1 drafts.
+    """
+    topk, nodes = config.speculative_topk, config.speculative_num_draft_tokens
+    if topk == 1:
+        if nodes is not None and nodes != block_size:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {nodes} differs from --block-size {block_size}: a chain verifies "
+                "its block (give one of them, or --speculative-topk > 1 for a tree)"
+            )
+        return 1, 0
+    if drafter is None or block_size == 1:
+        raise ValueError("--speculative-topk > 1 verifies token trees of drafted tokens: it needs a drafter")
+    if not hasattr(target, "forward_slots"):  # the transformers fallback
+        raise ValueError(f"token trees need a target the project decodes itself, not {type(target).__name__}")
+    if config.deterministic:
+        raise ValueError("--deterministic verifies chains only: drop --speculative-topk")
+    if topk > drafter.num_candidates:
+        raise ValueError(
+            f"--speculative-topk {topk} is more than the drafter's {drafter.num_candidates} candidates per position"
+        )
+    # More nodes than the chain's B − 1 cost little while a verify forward is memory-bound.
+    return topk, (nodes - 1) if nodes is not None else 2 * (block_size - 1)
 
 
 def _block_size(config: EngineConfig, drafter: Any | None) -> int:
     if drafter is None:
         if config.block_size not in (None, 1):
             raise ValueError("block_size > 1 needs a drafter (pass a drafter path)")
+        if config.speculative_topk == 1 and config.speculative_num_draft_tokens not in (None, 1):
+            raise ValueError("--speculative-num-draft-tokens > 1 needs a drafter (pass a drafter path)")
         return 1
     if config.block_size is None:
+        if config.speculative_topk == 1 and config.speculative_num_draft_tokens is not None:
+            return config.speculative_num_draft_tokens  # a chain verifies its block
         return int(drafter.config.block_size)
     if config.block_size != drafter.config.block_size:
         logger.warning(

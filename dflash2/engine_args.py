@@ -47,6 +47,8 @@ _DRAFTER_FLAGS = (
     "block_size",
     "use_selector",
     "speculative_draft_vocab_size",
+    "speculative_num_draft_tokens",
+    "speculative_topk",
     "prompt_lookup_max",
     "prompt_lookup_min",
 )
@@ -54,7 +56,15 @@ UNUSED_ENGINE_FLAGS = {
     "data": (*_DRAFTER_FLAGS, "seed", "enable_prefix_caching", "speculative_adaptive"),
     "train": (*_DRAFTER_FLAGS, "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
     # eval measures the drafter over full blocks: no adaptive policy, so no prompt lookup either.
-    "eval": ("block_size", "max_model_len", "prompt_lookup_max", "prompt_lookup_min", *_DECODING_FLAGS),
+    "eval": (
+        "block_size",
+        "speculative_num_draft_tokens",
+        "speculative_topk",
+        "max_model_len",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        *_DECODING_FLAGS,
+    ),
 }
 
 
@@ -74,12 +84,30 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         help="DFlash / DFlash 2 drafter folder (config.json + model.safetensors)",
     )
     g.add_argument(
-        "--speculative-num-draft-tokens",
         "--block-size",
         dest="block_size",
         type=int,
         default=_DEFAULTS.block_size,
-        help="block size B, anchor included (1 = autoregressive; default: the drafter's)",
+        help="block size B, anchor included: the drafter's block and the deepest path verified "
+        "(1 = autoregressive; default: the drafter's)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=_DEFAULTS.speculative_num_draft_tokens,
+        metavar="N",
+        help="tokens verified per row, anchor included: a chain's block size (alone it sets --block-size), "
+        "a token tree's node budget (default: B for a chain, 2·B − 1 for a tree)",
+    )
+    g.add_argument(
+        "--speculative-topk",
+        "--speculative-eagle-topk",
+        dest="speculative_topk",
+        type=int,
+        default=_DEFAULTS.speculative_topk,
+        metavar="K",
+        help="token trees: the drafter's K best continuations kept per depth through the selector lattice, "
+        "verified in one forward (default: 1, one path)",
     )
     g.add_argument(
         "--no-selector",

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 1  # bump when what is saved, or how it is keyed, changes
 _SOURCE_ROOT = Path(__file__).resolve().parent
 # The package sources a graph's code comes from (their text is part of the key).
-_SOURCES = ("runner.py", "precompiled.py", "selector.py", "models/*.py", "models/csrc/*.cpp")
+_SOURCES = ("runner/*.py", "precompiled.py", "selector.py", "models/*.py", "models/csrc/*.cpp")
 
 
 def graphs_dir() -> Path:

@@ -160,7 +160,7 @@ def time_runner(
             anchors = torch.tensor([5], device=device)
             starts = torch.tensor([context], device=device)
             runner.append_context([0], [0], torch.zeros(1, context, drafter.fc.in_features, device=device), [context])
-            result["draft_ms"] = timed(lambda: runner.draft([0], anchors, starts), device)
+            result["draft_ms"] = timed(lambda: runner._draft_block([0], anchors, starts, block_size), device)
     return result
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from dflash2.request import RequestOutput, StepStats
+from dflash2.outputs import RequestOutput, StepStats
 from dflash2.sampling import SamplingParams
 from server.errors import APIError, EngineError, ServiceUnavailableError
 from server.timings import RequestTimings

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from dflash2.request import RequestOutput, TokenLogprob, mean_acceptance_length
+from dflash2.outputs import RequestOutput, TokenLogprob, mean_acceptance_length
 from server.admission import Ticket
 from server.engine_client import RequestGroup
 from server.protocol import PromptTokensDetails, SpecDecodeInfo, UsageInfo

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from dflash2.request import TokenLogprob
+from dflash2.outputs import TokenLogprob
 from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprobInfo, TopLogprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from dflash2.request import StepStats
+from dflash2.outputs import StepStats
 
 if TYPE_CHECKING:
     from server.timings import RequestTimings
@@ -98,6 +98,9 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("spec_decode_num_lookup_drafts", "counter",
                    "Verify steps (per row) whose drafts came from prompt lookup instead of the drafter; part of "
                    "spec_decode_num_drafts."),
+        MetricSpec("spec_decode_num_tree_nodes", "counter",
+                   "Drafted nodes verified as token trees (--speculative-topk > 1); the draft and acceptance "
+                   "counters count each tree row as the chain of its depth."),
         MetricSpec("spec_decode_num_draft_tokens", "counter",
                    "Drafted tokens sent to verification.", vllm_names=("spec_decode_num_draft_tokens",)),
         MetricSpec("spec_decode_num_accepted_tokens", "counter",
@@ -256,6 +259,7 @@ class Metrics:
         f = self.families
         f["spec_decode_num_drafts"].inc(stats.num_drafts)
         f["spec_decode_num_lookup_drafts"].inc(stats.num_lookup_drafts)
+        f["spec_decode_num_tree_nodes"].inc(stats.num_tree_nodes)
         f["spec_decode_num_draft_tokens"].inc(stats.num_draft_tokens)
         f["spec_decode_num_accepted_tokens"].inc(stats.num_accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):

@@ -4,7 +4,7 @@ both read replies here."""
 
 from __future__ import annotations
 
-from dflash2.request import RequestOutput
+from dflash2.outputs import RequestOutput
 from server.generation import ChoiceState, visible_text
 from server.tool_calling import ToolPlan
 from server.tool_parsers import ParsedToolCall

@@ -111,33 +111,55 @@ class OracleDrafter(DFlashDrafter):
 
     supports_compile = False  # it overrides draft_hidden and logits
 
-    def __init__(self, config: DrafterConfig, references: dict[int, list[int]], error_rate: float, seed: int = 0):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        references: dict[int, list[int]],
+        error_rate: float,
+        seed: int = 0,
+        runner_up: bool = False,
+    ):
         super().__init__(config)
         self.references = references
         self.error_rate = error_rate
+        self.runner_up = runner_up  # a corrupted slot ranks the reference token second (a tree finds it)
         self.generator = torch.Generator().manual_seed(seed)
         self._planned: torch.Tensor | None = None
+        self._truth: torch.Tensor | None = None
 
     def draft_hidden(self, cache, slots, anchor_ids, starts, block_size):
         planned = torch.zeros(len(slots), block_size, dtype=torch.long)
+        truth = torch.zeros(len(slots), block_size, dtype=torch.long)
         for r, slot in enumerate(slots):
             ref, s = self.references.get(slot, []), int(starts[r])
             for j in range(1, block_size):
-                token = ref[s + j] if s + j < len(ref) else 0
+                token = truth[r, j] = ref[s + j] if s + j < len(ref) else 0
                 if float(torch.rand(1, generator=self.generator)) < self.error_rate:
                     token = int(torch.randint(self.config.vocab_size, (1,), generator=self.generator))
                 planned[r, j] = token
-        self._planned = planned
+        self._planned, self._truth = planned, truth
         return torch.zeros(len(slots), block_size, self.config.hidden_size)
 
     def logits(self, hidden):
         assert self._planned is not None
         planned = self._planned[:, -hidden.shape[1] :]
-        return torch.nn.functional.one_hot(planned, self.config.vocab_size).float() * 20.0
+        logits = torch.nn.functional.one_hot(planned, self.config.vocab_size).float() * 20.0
+        if self.runner_up:
+            assert self._truth is not None
+            logits += torch.nn.functional.one_hot(self._truth[:, -hidden.shape[1] :], self.config.vocab_size) * 10.0
+        return logits
 
 
-def oracle_drafter(target: TargetModel, references: dict[int, list[int]], block_size: int, error_rate: float = 0.2):
-    drafter = OracleDrafter(tiny_drafter_config(2, block_size, target.config.vocab_size), references, error_rate)
+def oracle_drafter(
+    target: TargetModel,
+    references: dict[int, list[int]],
+    block_size: int,
+    error_rate: float = 0.2,
+    seed: int = 0,
+    runner_up: bool = False,
+):
+    config = tiny_drafter_config(2, block_size, target.config.vocab_size)
+    drafter = OracleDrafter(config, references, error_rate, seed, runner_up)
     drafter.init_weights(std=0.02, seed=3)
     drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
     return drafter.eval()

@@ -45,7 +45,10 @@ class MethodSpec:
         adaptive: speculative engine methods: the adaptive policy chooses each step's verify width
             up to B (the engine's default; the ``-adaptive`` rows) instead of full blocks.
         prompt_lookup: adaptive rows: prompt lookup beside the drafter (the engine's default;
-            ``dflash2/prompt_lookup.py``); the ``-adaptive-no-lookup`` row runs without it.
+            ``dflash2/spec/prompt_lookup.py``); the ``-adaptive-no-lookup`` row runs without it.
+        tree_topk, tree_nodes: the ``-tree-N`` rows: token trees of ``tree_topk`` branches per depth and
+            N nodes verified per row, anchor included (``--speculative-topk``,
+            ``--speculative-num-draft-tokens``; ``dflash2/spec/tree.py``); 1 and 0 for chains.
     """
 
     id: str
@@ -57,6 +60,8 @@ class MethodSpec:
     enforce_eager: bool = False
     adaptive: bool = False
     prompt_lookup: bool = False
+    tree_topk: int = 1
+    tree_nodes: int = 0
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -75,6 +80,8 @@ class MethodSpec:
         if self.family == DFLASH:
             return f"DFlash, selector off (B={self.block_size})"
         if self.family == DFLASH2:
+            if self.tree_topk > 1:
+                return f"DFlash 2, token tree (B={self.block_size}, K={self.tree_topk}, N={self.tree_nodes})"
             if self.adaptive:
                 lookup = ", prompt lookup" if self.prompt_lookup else ""
                 return f"DFlash 2, selector on (B≤{self.block_size}, adaptive{lookup})"
@@ -108,6 +115,9 @@ class BenchConfig:
             ``enforce_eager`` (rows ``ar-eager``, ``dflash2-b8-eager``, …) in the same run.
         adaptive_rows: beside each ``dflash2`` method (full blocks of B), measure the same drafter
             with the adaptive policy choosing the verify width (rows ``dflash2-b8-adaptive``).
+        tree_nodes: beside each ``dflash2`` method, the same drafter verifying token trees of each of
+            these node budgets at full blocks (rows ``dflash2-b8-tree-16``); empty: none.
+        tree_topk: the branching of those trees (``--speculative-topk``).
         startup: measure the speculative engine's start-up to ready, with an empty and with a
             warm compile cache (in a temporary cache folder).
         single_stream: run the single-stream benchmark.
@@ -142,6 +152,8 @@ class BenchConfig:
     prompt_lookup_tokens: int = 10
     eager_rows: bool = True
     adaptive_rows: bool = True
+    tree_nodes: tuple[int, ...] = (16,)
+    tree_topk: int = 4
     startup: bool = True
     gguf: Path | None = None
     single_stream: bool = True
@@ -173,6 +185,8 @@ class BenchConfig:
             (all(2 <= b <= 64 for b in self.block_sizes), "block sizes must be in [2, 64]"),
             (all(t >= 0 for t in self.temperatures) and bool(self.temperatures), "temperatures must be >= 0"),
             (self.prompt_lookup_tokens >= 1, "prompt_lookup_tokens must be at least 1"),
+            (all(2 <= n <= 256 for n in self.tree_nodes), "tree node budgets must be in [2, 256]"),
+            (2 <= self.tree_topk <= 16, "tree_topk must be in [2, 16]"),
             (all(c >= 1 for c in self.concurrency) and bool(self.concurrency), "concurrency levels must be >= 1"),
             (self.serving_requests >= 1, "serving_requests must be at least 1"),
             (self.serving_seconds > 0, "serving_seconds must be positive"),
@@ -197,6 +211,18 @@ class BenchConfig:
                     engine_specs.append(
                         MethodSpec(f"{family}-b{b}", family, ENGINE, block_size=b, use_selector=use_selector)
                     )
+                    if family == DFLASH2:
+                        for n in self.tree_nodes:
+                            engine_specs.append(
+                                MethodSpec(
+                                    f"{family}-b{b}-tree-{n}",
+                                    family,
+                                    ENGINE,
+                                    block_size=b,
+                                    tree_topk=self.tree_topk,
+                                    tree_nodes=n,
+                                )
+                            )
                     if family == DFLASH2 and self.adaptive_rows:
                         adaptive = MethodSpec(f"{family}-b{b}-adaptive", family, ENGINE, block_size=b, adaptive=True)
                         lookup = self.engine.prompt_lookup_max != 0  # the engine's default: on
@@ -209,7 +235,8 @@ class BenchConfig:
                 specs.append(replace(spec, enforce_eager=True))
                 continue
             specs.append(spec)
-            if self.eager_rows and not spec.adaptive:  # the full-block row already shows compilation's gain
+            # The full-block chain row already shows compilation's gain.
+            if self.eager_rows and not spec.adaptive and spec.tree_topk == 1:
                 specs.append(replace(spec, id=f"{spec.id}-eager", enforce_eager=True))
         if HF in self.methods:
             specs.append(MethodSpec(HF, HF, TRANSFORMERS))
@@ -232,13 +259,16 @@ class BenchConfig:
         enforce_eager: bool | None = None,
         speculative_adaptive: bool = False,
         prompt_lookup: bool = True,
+        tree_topk: int = 1,
+        tree_nodes: int = 0,
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
         run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
         blocks (their rows are named by B) unless ``speculative_adaptive`` (the ``-adaptive``
         rows); the serving benchmark's speculative server runs the adaptive policy unless the
         run says ``--no-speculative-adaptive``. Prompt lookup follows the run's flags where the
-        policy runs and ``prompt_lookup`` holds, and is off otherwise."""
+        policy runs and ``prompt_lookup`` holds, and is off otherwise. ``tree_topk`` > 1 verifies token
+        trees of ``tree_nodes`` nodes (anchor included) instead of chains."""
         e = self.engine
         lookup = speculative_adaptive and prompt_lookup and block_size > 1
         return EngineConfig(
@@ -255,6 +285,8 @@ class BenchConfig:
             num_threads=e.num_threads,
             enforce_eager=e.enforce_eager if enforce_eager is None else enforce_eager,
             speculative_adaptive=speculative_adaptive,
+            speculative_topk=tree_topk,
+            speculative_num_draft_tokens=tree_nodes if tree_topk > 1 else None,
             prompt_lookup_max=e.prompt_lookup_max if lookup else 0,
             prompt_lookup_min=e.prompt_lookup_min if lookup else None,
             deterministic=e.deterministic,

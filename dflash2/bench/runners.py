@@ -18,7 +18,7 @@ from dflash2.api import LLM
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
 from dflash2.loading import default_drafter_path
-from dflash2.request import StepResult, StepStats
+from dflash2.outputs import StepResult, StepStats
 from dflash2.sampling import SamplingParams
 
 
@@ -93,8 +93,9 @@ class EngineRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.engine: Engine = Engine.from_config(config)
-        # Each timed phase waits for its own CUDA kernels (the verify phase's .tolist() would otherwise
-        # wait for the drafter's and the selector's, and count their time as verify time).
+        # NOTE: CUDA kernels run asynchronously: without a wait at the end of each drafting phase the
+        # drafter's and the selector's time would be counted as verify time (its ``.tolist()`` waits
+        # for them). It adds no work: verify would wait anyway. A no-op on CPU.
         self.engine.runner.sync_timing = True
         self.llm = LLM.from_engine(self.engine)
 

@@ -56,6 +56,8 @@ class MethodResult:
             "block_size": self.spec.block_size or None,
             "adaptive": self.spec.adaptive,
             "prompt_lookup": self.spec.prompt_lookup,
+            "tree_topk": self.spec.tree_topk,
+            "tree_nodes": self.spec.tree_nodes or None,
             "status": self.status,
             "message": self.message,
             "info": self.info,
@@ -92,6 +94,8 @@ def worker_spec(
                 enforce_eager=method.enforce_eager,
                 speculative_adaptive=method.adaptive,
                 prompt_lookup=method.prompt_lookup,
+                tree_topk=method.tree_topk,
+                tree_nodes=method.tree_nodes,
             ).to_dict(),
         }
     if method.runner == TRANSFORMERS:

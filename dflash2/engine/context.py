@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dflash2.request import Request
+from dflash2.engine.request import Request
 from dflash2.runner import ModelRunner, PendingWrites
 
 # Pending drafter context is written once a request holds this many positions of it, so a request that

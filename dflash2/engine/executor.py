@@ -15,13 +15,14 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.context import pending_writes, write_context
 from dflash2.engine.policy import DraftSource, Plan
+from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of
 from dflash2.grammar import GrammarBackend
-from dflash2.request import Request
-from dflash2.runner import ModelRunner
-from dflash2.sampling import LogitsContext, sample_from_probs, target_probs
-from dflash2.selector import Proposal
-from dflash2.verify import accept_block
+from dflash2.runner import Drafted, ModelRunner
+from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
+from dflash2.spec.selector import Proposal
+from dflash2.spec.tree import accept_tree, build_trees
+from dflash2.spec.verify import accept_block
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Verified:
         num_accepted, next_ids: per row, accepted drafts and the bonus or correction token.
         draft_seconds, select_seconds, verify_seconds, grammar_seconds: the phases' times;
         select_in_draft: the selector ran inside the drafting forward (its time is in ``draft_seconds``).
+        tree_nodes: drafted nodes the step verified as token trees (0 for a chain step); ``logits``,
+            ``features`` and ``draft_lists`` then follow each row's accepted path, as a chain's would.
     """
 
     plan: Plan
@@ -60,6 +63,7 @@ class Verified:
     select_in_draft: bool = False
     verify_seconds: float = 0.0
     grammar_seconds: float = 0.0
+    tree_nodes: int = 0
 
 
 class StepExecutor:
@@ -98,6 +102,8 @@ class StepExecutor:
         acceptance decision (lossless rejection sampling; greedy rows take the argmax path)."""
         draft_seconds = select_seconds = 0.0
         select_in_draft = False
+        if plan.source is DraftSource.DRAFTER and self.spec.tree and tree_rows(rows):
+            return self._decode_tree(rows, plan)
         if plan.source is DraftSource.DRAFTER:
             # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
             # cost: it is due whenever the rows draft next, and charging it here would make each draft
@@ -140,7 +146,68 @@ class StepExecutor:
             grammar_seconds,
         )
 
-    def _draft(self, rows: list[Request], width: int):  # -> dflash2.runner.Drafted
+    def _decode_tree(self, rows: list[Request], plan: Plan) -> Verified:
+        """A drafted step over token trees (``dflash2/spec/tree.py``): the drafter's block and the lattice,
+        each row's tree (the beam's best nodes, at most :meth:`tree_budget` of them and its
+        ``plan.num_drafts`` deep), ONE target forward over the trees, lossless acceptance along each tree,
+        and the accepted path's K/V moved into place. The result reads like a chain step's."""
+        runner, device = self.runner, self.spec.device
+        write_context(runner, [r for r in rows if r.pending_context.num_tokens > self.spec.block_size])
+        slots, starts = [slot_of(r) for r in rows], [r.num_cached for r in rows]
+        anchors = [r.output_ids[-1] for r in rows]
+        candidate_ids, log_probs, draft_seconds = runner.draft_lattice(
+            slots,
+            torch.tensor(anchors, device=device),
+            torch.tensor(starts, device=device),
+            plan.width,
+            pending_writes(rows),
+        )
+        for request in rows:  # written by the drafting forward
+            request.pending_context.clear()
+        start = time.perf_counter()
+        budget = self.tree_budget(plan.width)
+        limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
+        trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts)
+        logits, features = runner.verify_tree(slots, trees, starts)
+        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+        processed = process_logits(logits, self._logits_context(rows), no_drafts)
+        greedy = all(r.params.is_greedy for r in rows)
+        probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
+        # The same count of uniforms per row on every tree step, whatever the tree's shape.
+        uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + 2)
+        paths, next_ids = [], []
+        for i, tree in enumerate(trees):
+            n = len(tree)
+            verdict = accept_tree(
+                tree,
+                None if probs is None or rows[i].params.is_greedy else probs[i, :n],
+                processed[i, :n],
+                None if uniforms is None else uniforms[i],
+            )
+            runner.commit_tree(slots[i], starts[i], verdict.accepted_nodes)
+            paths.append([0, *verdict.accepted_nodes])
+            next_ids.append(verdict.next_id)
+        index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
+        return Verified(
+            plan,
+            starts,
+            _along(logits, index),
+            None if features is None else _along(features, index),
+            [[tree.token_ids[n] for n in path[1:]] for tree, path in zip(trees, paths)],
+            [len(p) - 1 for p in paths],
+            next_ids,
+            draft_seconds,
+            verify_seconds=time.perf_counter() - start,
+            tree_nodes=sum(len(tree) - 1 for tree in trees),
+        )
+
+    def tree_budget(self, width: int) -> int:
+        """Drafted nodes per row of a tree step at block width W: the configured budget at the full block,
+        the same share of it for a narrower step (never fewer than its W − 1 drafts)."""
+        spec = self.spec
+        return max(width - 1, round(spec.tree_nodes * (width - 1) / (spec.block_size - 1)))
+
+    def _draft(self, rows: list[Request], width: int) -> Drafted:
         """Each row's drafted path over the ``width``-token block: ONE drafter forward from the rows'
         last tokens (the anchors), after writing the context they committed since they last drafted,
         then top-k candidates per slot, lattice scores (DFlash 2 selector) and the walk."""
@@ -196,3 +263,17 @@ def _uniforms(request: Request, n: int) -> torch.Tensor:
     if request.params.is_greedy:
         return torch.zeros(n)
     return torch.rand(n, generator=request.generator)
+
+
+def tree_rows(rows: list[Request]) -> bool:
+    """True when these rows can verify token trees: no row's logits processing depends on the tokens
+    before a node (a grammar, repetition / frequency / presence penalties, ``min_tokens`` still to
+    reach); such a step verifies chains, where each position's history is the drafted prefix."""
+    return all(
+        r.matcher is None and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens for r in rows
+    )
+
+
+def _along(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values [R, N, D]`` at each row's nodes ``index [R, L]``: ``[R, L, D]``."""
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))

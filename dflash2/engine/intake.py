@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from dflash2.config import EngineSpec
+from dflash2.engine.request import Request
 from dflash2.errors import ContextLengthExceededError
 from dflash2.grammar import GrammarBackend
-from dflash2.request import Request
 from dflash2.sampling import SamplingParams, check_token_ids
 
 

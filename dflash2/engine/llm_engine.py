@@ -28,16 +28,17 @@ from dflash2.engine.executor import StepExecutor
 from dflash2.engine.intake import encode, new_request
 from dflash2.engine.policy import SpeculationPolicy, seeded
 from dflash2.engine.postprocess import Postprocessor, error_output, output
+from dflash2.engine.prefix_cache import PrefixCache
+from dflash2.engine.request import Request
+from dflash2.engine.scheduler import Scheduler
 from dflash2.engine.slots import SlotTable
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.models.layers import batch_invariant
-from dflash2.prefix_cache import PrefixCache
-from dflash2.request import FinishReason, Request, RequestOutput, StepResult, StepStats
+from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
 from dflash2.runner import ModelRunner
 from dflash2.sampling import SamplingParams
-from dflash2.scheduler import Scheduler
 from dflash2.threads import ThreadGovernor
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Engine:
             deterministic=config.deterministic,
             dynamic_threads=self.threads is not None,
             use_selector=config.use_selector,
+            tree_nodes=spec.tree_nodes,
         )
         self.scheduler = Scheduler(spec.max_num_seqs)
         self.policy = SpeculationPolicy(spec, self.runner)

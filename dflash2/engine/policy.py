@@ -1,5 +1,5 @@
 """The step's plan: where this step's drafts come from (the drafter, prompt lookup, none) and how many
-each row verifies, from the adaptive policy's estimates (``dflash2/adaptive.py``); and what the policy
+each row verifies, from the adaptive policy's estimates (``dflash2/spec/adaptive.py``); and what the policy
 learns from each verify outcome and step timing."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.adaptive import (
+from dflash2.config import EngineSpec
+from dflash2.engine.request import Request
+from dflash2.runner import ModelRunner
+from dflash2.spec.adaptive import (
     AcceptanceEstimate,
     AcceptanceTracker,
     CostModel,
@@ -20,11 +23,8 @@ from dflash2.adaptive import (
     choose_lookup_width,
     choose_width,
 )
-from dflash2.config import EngineSpec
-from dflash2.prompt_lookup import PromptLookup
-from dflash2.request import Request
-from dflash2.runner import ModelRunner
-from dflash2.selector import Proposal
+from dflash2.spec.prompt_lookup import PromptLookup
+from dflash2.spec.selector import Proposal
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class SpeculationPolicy:
         )
 
     def _lookup_plan(self, rows: list[Request], limits: list[int], choice: WidthChoice) -> Plan | None:
-        """A prompt-lookup plan (``dflash2/prompt_lookup.py``) when every row that may draft has a lookup
+        """A prompt-lookup plan (``dflash2/spec/prompt_lookup.py``) when every row that may draft has a lookup
         draft and verifying them, with no drafter forward, is predicted to commit more tokens per second
         than ``choice``; the limits are cut to each row's lookup draft. None otherwise, when lookup is off,
         and for a seeded row."""

@@ -12,8 +12,9 @@ from dflash2.config import EngineSpec
 from dflash2.engine.context import MAX_PENDING_CONTEXT, write_context
 from dflash2.engine.executor import Prefilled, Verified
 from dflash2.engine.policy import DraftSource, SpeculationPolicy
+from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of
-from dflash2.request import FinishReason, Request, RequestOutput, StepStats, TokenLogprob
+from dflash2.outputs import FinishReason, RequestOutput, StepStats, TokenLogprob
 from dflash2.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,10 @@ class Postprocessor:
         stats.verify_width, stats.draft_lengths = plan.verify_width, list(plan.num_drafts)
         if plan.source is DraftSource.LOOKUP:
             stats.num_lookup_drafts += sum(1 for n in plan.num_drafts if n)
+        stats.num_tree_nodes += verified.tree_nodes
         drafting = verified.draft_seconds + verified.select_seconds
-        self.policy.observe_costs(plan, num_rows, verified.verify_seconds, drafting, self.probing())
+        if not verified.tree_nodes:  # a tree's verify is wider than the step's width: not that width's cost
+            self.policy.observe_costs(plan, num_rows, verified.verify_seconds, drafting, self.probing())
         if self.spec.speculative and not stats.drafted_per_position:
             stats.accepted_per_position = [0] * (self.spec.block_size - 1)
             stats.drafted_per_position = [0] * (self.spec.block_size - 1)

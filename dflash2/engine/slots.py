@@ -4,10 +4,11 @@ cached part of its prompt copied in or kept) and what a finished request leaves 
 from __future__ import annotations
 
 from dflash2.engine.context import write_context
-from dflash2.prefix_cache import PrefixCache
-from dflash2.request import FinishReason, Request
+from dflash2.engine.prefix_cache import PrefixCache
+from dflash2.engine.request import Request
+from dflash2.engine.scheduler import Scheduler
+from dflash2.outputs import FinishReason
 from dflash2.runner import ModelRunner
-from dflash2.scheduler import Scheduler
 
 
 class SlotTable:

@@ -4,31 +4,43 @@ Spec §2 (drafter forward), §3 (DFlash 2 dynamic convolution), §4 (candidate s
 weights) and §1.3 (tensor names). The drafter shares the target's embedding and LM head,
 which are bound at run time and never saved with it.
 
-Dimension letters: R rows, B block size, N flattened context tokens, T context positions,
-H hidden size, F fused target layers, V vocab, K conv taps, G conv groups, r selector rank.
+The drafting forward has two entry points over the same layers: :meth:`DFlashDrafter.draft_hidden`
+(eager, reading a ``KVCache``) and :meth:`DFlashDrafter.draft_block` (static shapes, the block and
+its unary logits; the model runner compiles it), and the context append likewise
+(:meth:`DFlashDrafter.append_context`, :meth:`DFlashDrafter.write_context`). Choosing the drafted
+path from the block's outputs is the selector's job (``dflash2/spec/selector.py``), not the model's.
+
+Dimension letters: R rows, B block size (W: the drafted block's width), N flattened context tokens,
+T context positions, H hidden size, F fused target layers, V vocab, K conv taps, G conv groups,
+r selector rank.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dflash2.kv_cache import KVCache
 from dflash2.models.drafter_config import DrafterConfig
+from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import (
     MLP,
+    FusedMLP,
     PackedLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
     attention,
+    batch_invariant_enabled,
     fused_linear,
     prepack_linears,
+    shallow_copy,
     softcap,
 )
-from dflash2.selector import Proposal, SelectorWeights, draft_path
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +52,46 @@ def draft_vocab_indices(draft_vocab: torch.Tensor, token_ids: torch.Tensor) -> t
     """Positions of ``token_ids [...]`` in the sorted ``draft_vocab [Vd]``; ``-1`` where absent."""
     index = torch.searchsorted(draft_vocab, token_ids.contiguous()).clamp(max=len(draft_vocab) - 1)
     return torch.where(draft_vocab[index] == token_ids, index, -1)
+
+
+def block_mask_at(
+    config: DrafterConfig, positions: torch.Tensor, key_positions: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """``[R, 1, W, T+W]`` bool mask of one layer for blocks at ``positions [R, W]`` against context keys
+    ``key_positions [T]``: context key j is visible when ``j < positions[r, 0]`` (and inside the
+    sliding window, if any); block keys are all visible (bidirectional) unless the layer is causal
+    (spec §2.4)."""
+    num_rows, width = positions.shape
+    ctx = key_positions[None, None, :] < positions[:, :1, None]  # [R, 1, T]
+    window = config.layer_window(layer)
+    if window is not None:
+        ctx = ctx & (positions[:, :, None] - key_positions[None, None, :] < window)  # [R, W, T]
+    blk = torch.ones(width, width, dtype=torch.bool, device=positions.device)
+    if config.layer_is_causal(layer):
+        blk = blk.tril()
+    return torch.cat([ctx.expand(-1, width, -1), blk[None].expand(num_rows, -1, -1)], dim=-1)[:, None]
+
+
+def transform_logits(config: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The LM head's float32 output → unary logits (spec §2.5): ``output_multiplier``, then the softcap."""
+    if config.output_multiplier != 1.0:
+        logits = logits * config.output_multiplier
+    return softcap(logits, config.final_logit_softcapping)
+
+
+def inference_copy(drafter: DFlashDrafter, own_layers: bool) -> DFlashDrafter:
+    """A copy of ``drafter`` for static-shape inference sharing its modules; with ``own_layers`` its
+    decoder layers are copies with fused projections (:meth:`DraftLayer.fuse_projections`), so the
+    drafter's own may be pre-packed in place. No selector (its tensors are read directly)."""
+    clone = shallow_copy(drafter)
+    if own_layers:
+        layers = copy.deepcopy(drafter.layers)
+        for layer in layers:
+            assert isinstance(layer, DraftLayer)
+            layer.fuse_projections()
+        clone.layers = layers
+    clone.candidate_selector = None
+    return clone
 
 
 class DynamicConv(nn.Module):
@@ -172,6 +224,13 @@ class DraftLayer(nn.Module):
             self.attention_conv = DynamicConv(hidden, config.conv_group_size, config.conv_kernel_size)
             self.mlp_conv = DynamicConv(hidden, config.conv_group_size, config.conv_kernel_size)
 
+    def fuse_projections(self) -> None:
+        """Fuse Q/K/V (and the context's K/V) and gate/up into one matrix each, in place, for an
+        inference copy (see :meth:`DraftAttention.fuse_projections`)."""
+        self.self_attn.fuse_projections()
+        if isinstance(self.mlp, MLP):
+            self.mlp = FusedMLP(self.mlp)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -202,6 +261,22 @@ class DraftLayer(nn.Module):
         return h + y
 
 
+@dataclass
+class SelectorWeights:
+    """The three selector tensors of a DFlash 2 checkpoint (spec §1.3), as the selector's pure
+    functions (``dflash2/spec/selector.py``) take them.
+
+    Attributes:
+        predecessor_codebook: ``[V, r]`` A(·).
+        successor_codebook: ``[V, r]`` B(·).
+        hidden_projection: ``[r, H]`` H(·) (a Linear weight, no bias).
+    """
+
+    predecessor_codebook: torch.Tensor
+    successor_codebook: torch.Tensor
+    hidden_projection: torch.Tensor
+
+
 class CandidateSelector(nn.Module):
     """Low-rank transition scorer of DFlash 2 (spec §4.2); tensor names as published."""
 
@@ -223,8 +298,8 @@ class DFlashDrafter(nn.Module):
     Use :meth:`bind_target` before drafting to share the target's embedding and LM head.
     """
 
-    # The model runner may compile a static copy of :meth:`draft_hidden` + :meth:`logits`;
-    # a subclass that overrides them sets this to False.
+    # The model runner may compile :meth:`draft_block` (the same layers as :meth:`draft_hidden` +
+    # :meth:`logits`); a subclass that overrides those two sets this to False.
     supports_compile = True
 
     def __init__(self, config: DrafterConfig) -> None:
@@ -424,6 +499,31 @@ class DFlashDrafter(nn.Module):
         """Fuse target features: ``[..., F·H]`` → ``hidden_norm(fc(·))`` ``[..., H]`` (spec §2.1)."""
         return self.hidden_norm(self.fc(features.to(self.dtype)))
 
+    def write_context(
+        self,
+        features: torch.Tensor,
+        write_slots: torch.Tensor,
+        write_positions: torch.Tensor,
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Write context K/V ("KV injection", spec §2.2) of ``features [R, L, F·H]`` at
+        ``(write_slots, write_positions) [R, L]`` into each layer's ``caches[i] = (k, v)``, each
+        ``[slots, nkv, max_len, d]``, in place (static shapes: the model runner compiles this).
+
+        Returns:
+            The fused context ``[R, L, H]`` the K/V were projected from.
+        """
+        context = self.context(features)
+        cos, sin = self.rotary(write_positions, context.dtype)
+        kv_heads = torch.arange(self.config.num_key_value_heads, device=write_slots.device)
+        index = (write_slots[:, :, None], kv_heads[None, None, :], write_positions[:, :, None])
+        for i, layer in enumerate(self.draft_layers()):
+            k, v = layer.self_attn.key_value(context, cos, sin)  # [R, nkv, L, d]
+            k_cache, v_cache = caches[i]
+            k_cache.index_put_(index, k.transpose(1, 2).to(k_cache.dtype))
+            v_cache.index_put_(index, v.transpose(1, 2).to(v_cache.dtype))
+        return context
+
     @torch.inference_mode()
     def append_context(
         self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor
@@ -435,11 +535,8 @@ class DFlashDrafter(nn.Module):
             slots: ``[N]`` int64 slot of each token; positions: ``[N]`` int64 absolute positions.
             features: ``[N, F·H]`` target features of those tokens.
         """
-        c = self.context(features)[None]  # [1, N, H]
-        cos, sin = self.rotary(positions[None], c.dtype)
-        for i, layer in enumerate(self.draft_layers()):
-            k, v = layer.self_attn.key_value(c, cos, sin)  # [1, nkv, N, d]
-            cache.write(i, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        caches = [(cache.k[i], cache.v[i]) for i in range(self.config.num_hidden_layers)]
+        self.write_context(features[None], slots[None], positions[None], caches)
 
     def block_mask(self, starts: torch.Tensor, block_size: int, context_len: int, layer: int) -> torch.Tensor:
         """``[R, 1, B, T+B]`` bool mask of one layer for blocks starting at ``starts [R]``.
@@ -447,18 +544,32 @@ class DFlashDrafter(nn.Module):
         Context key j is visible when ``j < start`` (and inside the sliding window, if any);
         block keys are all visible (bidirectional) unless the layer is causal (spec §2.4).
         """
-        device = starts.device
-        keys = torch.arange(context_len, device=device)
-        query_pos = starts[:, None] + torch.arange(block_size, device=device)[None]  # [R, B]
-        ctx = keys[None, None] < starts[:, None, None]  # [R, 1, T]
-        window = self.config.layer_window(layer)
-        if window is not None:
-            ctx = ctx & (query_pos[:, :, None] - keys[None, None] < window)
-        ctx = ctx.expand(-1, block_size, -1)
-        blk = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
-        if self.config.layer_is_causal(layer):
-            blk = blk.tril()
-        return torch.cat([ctx, blk[None].expand(len(starts), -1, -1)], dim=-1)[:, None]
+        positions = starts[:, None] + torch.arange(block_size, device=starts.device)[None]  # [R, B]
+        return block_mask_at(self.config, positions, torch.arange(context_len, device=starts.device), layer)
+
+    def _run_block(
+        self,
+        anchor_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        context: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        embed_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """The drafter's layers over blocks ``[anchor, MASK × (W−1)]`` at ``positions [R, W]``
+        against each layer's context ``(k, v)``, each ``[R, nkv, T, d]`` at ``key_positions [T]``.
+
+        Returns:
+            ``[R, W, H]`` final-normed hidden states.
+        """
+        c = self.config
+        block_ids = torch.full_like(positions, c.mask_token_id)
+        block_ids[:, 0] = anchor_ids
+        h = (nn.functional.embedding(block_ids, embed_weight) * c.input_embedding_scale).to(self.dtype)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = context[i]
+            h = layer(h, cos, sin, ctx_k, ctx_v, block_mask_at(c, positions, key_positions, i))
+        return self.norm(h)
 
     @torch.inference_mode()
     def draft_hidden(
@@ -469,7 +580,7 @@ class DFlashDrafter(nn.Module):
         starts: torch.Tensor,
         block_size: int,
     ) -> torch.Tensor:
-        """One parallel forward over the blocks ``[anchor, MASK × (B−1)]`` of all rows.
+        """One parallel forward over the blocks ``[anchor, MASK × (B−1)]`` of all rows (eager).
 
         Args:
             cache: the draft KV cache holding context K/V for positions ``< starts[r]``.
@@ -482,19 +593,46 @@ class DFlashDrafter(nn.Module):
             ``[R, B, H]`` final-normed hidden states (position 0, the anchor, is unused).
         """
         assert self._target is not None, "bind_target() first"
-        embed_weight = self._target[0]
-        num_rows = len(slots)
-        block_ids = torch.full((num_rows, block_size), self.config.mask_token_id, device=anchor_ids.device)
-        block_ids[:, 0] = anchor_ids
-        h = nn.functional.embedding(block_ids, embed_weight) * self.config.input_embedding_scale
-        h = h.to(self.dtype)
+        if batch_invariant_enabled() and len(slots) > 1:
+            # A row's block keys follow the batch's longest context, so a shorter row attends over a gap
+            # of masked keys before them, and the product with V sums in another grouping than alone
+            # (seen with oneDNN on AMX): one row at a time.
+            return torch.cat(
+                [
+                    self.draft_hidden(cache, [slot], anchor_ids[r : r + 1], starts[r : r + 1], block_size)
+                    for r, slot in enumerate(slots)
+                ]
+            )
         positions = starts[:, None] + torch.arange(block_size, device=starts.device)[None]
-        cos, sin = self.rotary(positions, h.dtype)
         context_len = int(starts.max())
-        for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = cache.read(i, slots, context_len)
-            h = layer(h, cos, sin, ctx_k, ctx_v, self.block_mask(starts, block_size, context_len, i))
-        return self.norm(h)
+        context = [cache.read(i, slots, context_len) for i in range(self.config.num_hidden_layers)]
+        keys = torch.arange(context_len, device=starts.device)
+        return self._run_block(anchor_ids, positions, keys, context, self._target[0])
+
+    def draft_block(
+        self,
+        anchor_ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        context: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        embed_weight: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafting forward with static shapes (the model runner compiles it): blocks
+        ``[anchor, MASK × (W−1)]`` at ``positions [R, W]`` (the anchor's first, then consecutive),
+        against each layer's ``context (k, v)``, each ``[R, nkv, T, d]`` at ``key_positions [T]``.
+        ``embed_weight [V, H]`` and ``head`` (``[N, H]`` → ``[N, V or Vd]``) are the target's
+        embedding and the (draft-vocabulary) LM head, which the caller holds.
+
+        Returns:
+            ``(hidden [R, W−1, H], logits [R, W−1, V or Vd] float32)`` of the drafted slots.
+        """
+        num_rows, width = positions.shape
+        hidden = self._run_block(anchor_ids, positions, key_positions, context, embed_weight)[:, 1:]
+        # A 2-D product: with a dynamic row count, a 3-D input became a bmm over a per-row copy of
+        # the whole head (51.6 against 5.6 ms eager for a 4-row block on 2 cores).
+        flat = hidden.reshape(num_rows * (width - 1), hidden.shape[-1])
+        return hidden, transform_logits(self.config, head(flat).float().view(num_rows, width - 1, -1))
 
     def forward_blocks(self, features: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Training forward: many blocks of one sequence against its full context (spec §7).
@@ -541,42 +679,12 @@ class DFlashDrafter(nn.Module):
             flat = self._packed_draft_head(flat_hidden)
         else:
             flat = nn.functional.linear(flat_hidden, head.to(hidden.dtype))
-        logits = flat.view(*hidden.shape[:-1], -1).float()  # [..., V or Vd]
-        if self.config.output_multiplier != 1.0:
-            logits = logits * self.config.output_multiplier
-        return softcap(logits, self.config.final_logit_softcapping)
+        return transform_logits(self.config, flat.view(*hidden.shape[:-1], -1).float())  # [..., V or Vd]
 
     @property
     def num_candidates(self) -> int:
         """Candidates per slot the walk chooses from: the selector's top-k, else ``DEFAULT_TOP_K``."""
         return (self.config.selector_top_k if self.config.has_selector else 0) or DEFAULT_TOP_K
-
-    def propose(
-        self,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        temperatures: torch.Tensor,
-        uniforms: torch.Tensor,
-        use_selector: bool = True,
-    ) -> Proposal:
-        """The drafted path of each row: top-k candidates per slot (k = :attr:`num_candidates`),
-        the DFlash 2 lattice when the drafter has a selector and ``use_selector``, then the walk
-        (spec §4).
-
-        Args:
-            hidden: ``[R, J, H]`` final-normed hidden states of the drafted slots.
-            logits: ``[R, J, V or Vd]`` their unary logits (:meth:`logits`).
-            anchor_ids: ``[R]`` the anchor token of each row.
-            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
-
-        Returns:
-            The :class:`~dflash2.selector.Proposal`, candidates as token ids.
-        """
-        weights = self.selector_weights() if use_selector else None
-        return draft_path(
-            hidden, logits, anchor_ids, temperatures, uniforms, self.num_candidates, self.draft_vocab, weights
-        )
 
     def selector_weights(self) -> SelectorWeights | None:
         """Selector tensors, or None for a drafter without a selector."""

@@ -7,17 +7,19 @@ nh / nkv query / key-value heads, d head dim.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 _local = threading.local()
 
 
@@ -165,6 +167,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return linear_backend(device, dtype) is not None
 
 
+# Rows per oneDNN call inside batch_invariant(): from 2 to 32 rows its matrix kernel gives each row the
+# same bits; above that, on CPUs with AMX, it blocks the rows differently (seen at 35 and 64 rows).
+ONEDNN_INVARIANT_ROWS = 32
+
+
 class PackedLinear(nn.Module):
     """An inference-only ``nn.Linear`` whose bfloat16 weight is pre-packed once for a CPU kernel.
 
@@ -226,7 +233,16 @@ class PackedLinear(nn.Module):
             )
         if self.backend == "avx2":
             return torch.ops.dflash2.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
-        if x.numel() == self.in_features and batch_invariant_enabled():
+        if batch_invariant_enabled():
+            flat = x.reshape(-1, self.in_features)
+            rows = [
+                self._onednn(flat[i : i + ONEDNN_INVARIANT_ROWS]) for i in range(0, len(flat), ONEDNN_INVARIANT_ROWS)
+            ]
+            return torch.cat(rows).reshape(*x.shape[:-1], self.out_features)
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features:
             # One row would take oneDNN's matrix-vector kernel, which sums in another order than
             # the matrix kernel every larger call uses; a copy of the row keeps the bits equal.
             flat = x.reshape(1, self.in_features).expand(2, -1)
@@ -258,6 +274,18 @@ def prepack_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
         else:
             count += prepack_linears(child, skip)
     return count
+
+
+def shallow_copy(module: ModuleT) -> ModuleT:
+    """A copy of ``module`` that shares its children, parameters and buffers but holds them in tables
+    of its own: replacing a child of the copy (fusing or packing a layer) leaves the original as it
+    was, and nothing is duplicated in memory."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    return clone
 
 
 def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -424,6 +452,9 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     # [R, nkv, g·L, d]: query head h uses K/V head h // g; its mask row is the query's.
     folded = q.reshape(num_rows, num_kv_heads, group * num_queries, head_dim)
     folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)
+    # Contiguous K and V: one row's cache read can be a strided view where a batch's is a gathered
+    # copy, and the matrix kernels group their sums differently for the two layouts (oneDNN on AMX).
+    k, v = k.contiguous(), v.contiguous()
     keys_t = k.transpose(-1, -2)
     scale = head_dim**-0.5
     # The softmax sums a row in vector lanes and a scalar tail, so how many keys follow changes the

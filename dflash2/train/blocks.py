@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.models.drafter import draft_vocab_indices
-from dflash2.selector import SelectorWeights
+from dflash2.spec.selector import SelectorWeights
 from dflash2.train.features import SoftLabels
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -15,7 +15,15 @@ from dflash2.engine import Engine
 from tests.bench.conftest import TinyFolders
 from tests.live_server import ServerThread
 
-METHOD_IDS = ["ar", "dflash-b4", "dflash2-b4", "dflash2-b4-adaptive", "dflash2-b4-adaptive-no-lookup", "hf"]
+METHOD_IDS = [
+    "ar",
+    "dflash-b4",
+    "dflash2-b4",
+    "dflash2-b4-tree-6",
+    "dflash2-b4-adaptive",
+    "dflash2-b4-adaptive-no-lookup",
+    "hf",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +43,19 @@ def bench_run(tiny_folders: TinyFolders, tmp_path_factory: pytest.TempPathFactor
     )
     argv = ["bench", "--model", str(tiny_folders.model), "--drafter", str(tiny_folders.drafter), "--threads", "1"]
     argv += ["--out", str(out), "--sets", "math", "multiturn", "--num-prompts", "1", "--max-tokens", "6"]
-    argv += ["--repeats", "1", "--block-sizes", "4", "--temperatures", "0", "1"]
+    argv += [
+        "--repeats",
+        "1",
+        "--block-sizes",
+        "4",
+        "--temperatures",
+        "0",
+        "1",
+        "--tree-nodes",
+        "6",
+        "--tree-topk",
+        "2",
+    ]
     argv += ["--methods", "ar", "dflash", "dflash2", "hf", "llama.cpp", "--enforce-eager", "--no-startup"]
     with ServerThread(engine, max_concurrency=8) as server:
         argv += ["--url", server.url, "--concurrency", "1", "2", "--serving-requests", "2", "--serving-seconds", "30"]
@@ -68,6 +88,9 @@ def test_every_method_ran_or_says_why_not(bench_run: tuple[int, Path]) -> None:
     # The adaptive row runs the engine's default, prompt lookup on; its twin shows what lookup adds.
     assert methods["dflash2-b4-adaptive"]["prompt_lookup"] and methods["dflash2-b4-adaptive-no-lookup"]["adaptive"]
     assert not methods["dflash2-b4-adaptive-no-lookup"]["prompt_lookup"] and not methods["dflash2-b4"]["prompt_lookup"]
+    tree = methods["dflash2-b4-tree-6"]
+    assert (tree["tree_topk"], tree["tree_nodes"], tree["adaptive"]) == (2, 6, False)
+    assert methods["dflash2-b4"]["tree_topk"] == 1
 
 
 def test_rows_and_speedups_come_from_the_measured_numbers(bench_run: tuple[int, Path]) -> None:

@@ -79,9 +79,9 @@ def test_engine_runner_counts_verify_steps_and_the_cost_split(tiny_folders: Tiny
     assert info["block_size"] == 4 and info["has_conv"] and info["drafter"] == str(tiny_folders.drafter)
 
 
-def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders: TinyFolders) -> None:
-    """The synchronizing subclass (used on CUDA) runs on CPU too: same tokens, same phases timed."""
-    from dflash2.bench.runners import CudaTimedEngine
+def test_sync_timing_matches_the_engine_and_times_every_phase(tiny_folders: TinyFolders) -> None:
+    """The runner's synchronizing phase timing (the benchmark's, for CUDA) runs on CPU too: same
+    tokens, same phases timed."""
     from dflash2.engine import Engine
     from dflash2.sampling import SamplingParams
 
@@ -97,8 +97,9 @@ def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders
     prompt = _prompt(tiny_folders.model)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for cls in (Engine, CudaTimedEngine):
-        engine = cls.from_config(config)
+    for sync_timing in (False, True):
+        engine = Engine.from_config(config)
+        engine.runner.sync_timing = sync_timing
         engine.add_request(prompt, params)
         tokens, times = [], [0.0, 0.0, 0.0]
         while engine.has_unfinished_requests():
@@ -108,9 +109,9 @@ def test_cuda_timed_engine_matches_the_engine_and_times_every_phase(tiny_folders
                 a + b
                 for a, b in zip(times, (result.stats.draft_time, result.stats.select_time, result.stats.verify_time))
             ]
-        outputs[cls] = tokens
+        outputs[sync_timing] = tokens
         assert all(t > 0 for t in times)
-    assert len(outputs[Engine]) == 12 and outputs[CudaTimedEngine] == outputs[Engine]
+    assert len(outputs[False]) == 12 and outputs[True] == outputs[False]
 
 
 def test_conv_probe_times_both_variants_and_leaves_the_drafter_intact(tiny_folders: TinyFolders) -> None:

@@ -146,7 +146,7 @@ def test_a_real_dflash2_serve_subprocess(tiny_folders: TinyFolders, tmp_path: Pa
 
 
 def test_eager_rows_sit_beside_their_compiled_method() -> None:
-    config = BenchConfig(methods=("ar", "dflash2", "llama.cpp"), block_sizes=(8,), adaptive_rows=False)
+    config = BenchConfig(methods=("ar", "dflash2", "llama.cpp"), block_sizes=(8,), adaptive_rows=False, tree_nodes=())
     specs = config.method_specs()
     assert [s.id for s in specs] == ["ar", "ar-eager", "dflash2-b8", "dflash2-b8-eager", "llama.cpp"]
     assert [s.enforce_eager for s in specs[:4]] == [False, True, False, True]
@@ -168,10 +168,12 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
         "dflash-b16-eager",
         "dflash2-b8",
         "dflash2-b8-eager",
+        "dflash2-b8-tree-16",
         "dflash2-b8-adaptive",
         "dflash2-b8-adaptive-no-lookup",
         "dflash2-b16",
         "dflash2-b16-eager",
+        "dflash2-b16-tree-16",
         "dflash2-b16-adaptive",
         "dflash2-b16-adaptive-no-lookup",
     ]
@@ -179,11 +181,19 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
     assert adaptive.adaptive and adaptive.use_selector and adaptive.prompt_lookup
     assert adaptive.label == "DFlash 2, selector on (B≤8, adaptive, prompt lookup)"
     assert specs["dflash2-b8-adaptive-no-lookup"].label == "DFlash 2, selector on (B≤8, adaptive)"
+    tree = specs["dflash2-b8-tree-16"]  # full blocks, no policy: the tree's own acceptance
+    assert (tree.tree_topk, tree.tree_nodes, tree.adaptive) == (4, 16, False)
+    assert tree.label == "DFlash 2, token tree (B=8, K=4, N=16)"
     workload = types.SimpleNamespace(folder=Path("unused"))
     engines = {
         id_: worker_spec(config, specs[id_], workload, [], None)["engine"]  # type: ignore[arg-type]
-        for id_ in ("dflash2-b8", "dflash2-b8-adaptive", "dflash2-b8-adaptive-no-lookup")
+        for id_ in ("dflash2-b8", "dflash2-b8-adaptive", "dflash2-b8-adaptive-no-lookup", "dflash2-b8-tree-16")
     }
+    tree_engine = engines["dflash2-b8-tree-16"]
+    assert (tree_engine["speculative_topk"], tree_engine["speculative_num_draft_tokens"]) == (4, 16)
+    assert (
+        engines["dflash2-b8"]["speculative_topk"] == 1 and engines["dflash2-b8"]["speculative_num_draft_tokens"] is None
+    )
     assert engines["dflash2-b8-adaptive"]["speculative_adaptive"] is True
     assert engines["dflash2-b8"]["speculative_adaptive"] is False
     assert engines["dflash2-b8-adaptive"]["block_size"] == 8
@@ -197,9 +207,9 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
     assert worker_spec(bounds, by_id["dflash2-b8"], workload, [], None)["engine"]["prompt_lookup_min"] is None
     # A run without prompt lookup has one adaptive row per B.
     no_lookup = EngineConfig(prompt_lookup_max=0)
-    off = BenchConfig(engine=no_lookup, methods=("dflash2",), block_sizes=(8,), eager_rows=False)
+    off = BenchConfig(engine=no_lookup, methods=("dflash2",), block_sizes=(8,), eager_rows=False, tree_nodes=())
     assert [s.id for s in off.method_specs()] == ["dflash2-b8", "dflash2-b8-adaptive"]
-    no_rows = BenchConfig(methods=("dflash2",), block_sizes=(8,), adaptive_rows=False, eager_rows=False)
+    no_rows = BenchConfig(methods=("dflash2",), block_sizes=(8,), adaptive_rows=False, eager_rows=False, tree_nodes=())
     assert [s.id for s in no_rows.method_specs()] == ["dflash2-b8"]
 
 

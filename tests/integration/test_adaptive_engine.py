@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from dflash2 import LLM, SamplingParams
-from dflash2.adaptive import CostModel
+from dflash2.spec.adaptive import CostModel
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
@@ -48,15 +48,15 @@ def test_start_up_measures_every_width_and_the_drafter():
 def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
     """A step's drafting cost is the drafter's block and the selector's walk; the start-up table
     measures both (a selector made 20 ms slower shows in every row count's entry)."""
-    from dflash2.models.drafter import DFlashDrafter
+    import dflash2.runner.model_runner as model_runner
 
-    propose = DFlashDrafter.propose
+    propose = model_runner.drafter_path
 
-    def slow_propose(self, *args, **kwargs):
+    def slow_propose(*args, **kwargs):
         time.sleep(0.020)
-        return propose(self, *args, **kwargs)
+        return propose(*args, **kwargs)
 
-    monkeypatch.setattr(DFlashDrafter, "propose", slow_propose)
+    monkeypatch.setattr(model_runner, "drafter_path", slow_propose)
     adaptive, _, _ = engines()
     model = adaptive.cost_model
     assert all(model.draft[(rows, w)] >= 0.020 for rows in range(1, 5) for w in model.widths if w > 1)
@@ -106,7 +106,7 @@ def test_start_up_costs_are_timed_in_interleaved_rounds(monkeypatch):
     runner = adaptive.runner
     order: list[tuple[str, int, int]] = []
     monkeypatch.setattr(runner, "verify", lambda slots, rows, starts: order.append(("v", len(slots), len(rows[0]))))
-    monkeypatch.setattr(runner, "draft_proposal", lambda slots, *args: order.append(("d", len(slots), args[-1])))
+    monkeypatch.setattr(runner, "propose", lambda slots, *args: order.append(("d", len(slots), args[-2])))
     verify, draft = runner.measure_costs([1, 2], [1, 2, 4], repeats=3)
     assert set(verify) == {(r, w) for r in (1, 2) for w in (1, 2, 4)}
     assert set(draft) == {(r, w) for r in (1, 2) for w in (2, 4)}

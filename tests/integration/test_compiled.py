@@ -5,6 +5,7 @@ Compilation takes seconds per graph, so each engine here is built once per modul
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
-from dflash2.adaptive import WidthChoice
 from dflash2.precompiled import PrecompiledForward
 from dflash2.runner import ModelRunner, PendingWrites, key_length
+from dflash2.spec.adaptive import WidthChoice
+from dflash2.spec.selector import drafter_path
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
 
@@ -48,7 +50,7 @@ def compiled_spec(target):
     engine = compiled(tiny_engine(target, drafter, 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True))
     runner = engine.runner
     assert runner.compiled and runner._draft_forward is not None
-    assert runner._context_forward is not None and runner.draft_selects
+    assert runner._context_forward is not None and runner._selects_in_draft
     engine.threads = None
     torch.set_num_threads(threads)  # start-up may have settled on fewer (busy cores)
     return engine
@@ -64,7 +66,7 @@ def test_compiled_greedy_at_every_verify_width_equals_autoregressive(compiled_sp
     """Steps at every width 1 … B in turn (as adaptive speculation chooses them): the drafter's block
     and the selector follow the width, and the text stays the target's own."""
     widths = itertools.cycle([2, 5, 1, 8, 3, 4, 7, 6])
-    monkeypatch.setattr(compiled_spec, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
+    monkeypatch.setattr(compiled_spec.policy, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
     steps = []
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
@@ -77,8 +79,9 @@ def test_compiled_greedy_with_prompt_lookup_equals_autoregressive(compiled_spec,
     steps, as the adaptive policy chooses them: the text stays the target's own."""
     from tests.integration.test_prompt_lookup_engine import FixedCosts
 
-    monkeypatch.setattr(compiled_spec, "cost_model", FixedCosts(4, tuple(range(1, 9)), draft=0.002))
-    monkeypatch.setattr(compiled_spec, "prompt_lookup_max", 4)
+    policy = compiled_spec.policy
+    monkeypatch.setattr(policy, "cost_model", FixedCosts(4, tuple(range(1, 9)), draft=0.002))
+    monkeypatch.setattr(policy, "spec", dataclasses.replace(policy.spec, prompt_lookup_max=4))
     steps = []
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
@@ -233,17 +236,17 @@ def test_compiled_draft_matches_eager_at_every_width(target, compiled_spec):
         for slots, starts in (([1], [4]), ([0, 1, 2], [6, 4, 5])):
             anchors = torch.randint(0, 50, (len(slots),), generator=generator)
             starts_tensor = torch.tensor(starts)
-            full = eager.draft(slots, anchors, starts_tensor)[1]
+            full = eager._draft_block(slots, anchors, starts_tensor, 8)[1]
             for width in range(2, 9):
-                expected_hidden, expected_logits = eager.draft(slots, anchors, starts_tensor, width)
-                hidden, logits = fast.draft(slots, anchors, starts_tensor, width)
+                expected_hidden, expected_logits = eager._draft_block(slots, anchors, starts_tensor, width)
+                hidden, logits = fast._draft_block(slots, anchors, starts_tensor, width)
                 assert hidden.shape[1] == logits.shape[1] == width - 1
                 torch.testing.assert_close(hidden, expected_hidden, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
                 if width < 8:
                     assert not torch.allclose(logits, full[:, : width - 1], atol=1e-3)
     with pytest.raises(ValueError, match="draft width"):
-        fast.draft([0], torch.tensor([1]), torch.tensor([6]), 9)
+        fast._draft_block([0], torch.tensor([1]), torch.tensor([6]), 9)
     assert built_graphs(compiled_spec)[2] == ("rows=1", "rows=2+")  # no graph per width
 
 
@@ -253,7 +256,7 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
     one token or none padded into the scratch slot, each slot's context length moved past its tokens."""
     eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
     fast: ModelRunner = compiled_spec.runner
-    assert fast.draft_selects and not eager.draft_selects
+    assert fast._selects_in_draft and not eager._selects_in_draft
     assert fast.drafter_compiled and not eager.drafter_compiled
     generator = torch.Generator().manual_seed(4)
     dim = fast.drafter.fc.in_features
@@ -269,7 +272,7 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
         with torch.inference_mode():
             for runner in (eager, fast):
                 context = PendingWrites(features, lengths, starts)
-                results.append(runner.draft(slots, anchors, ends, 4, context))
+                results.append(runner._draft_block(slots, anchors, ends, 4, context))
         for expected, got in zip(*results):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for cache in ("k", "v"):
@@ -290,7 +293,7 @@ def test_compiled_selector_matches_eager(compiled_spec, temperature):
     and on narrower ones (the walk is unrolled over B − 1 slots, then cut back)."""
     runner: ModelRunner = compiled_spec.runner
     drafter = runner.drafter
-    assert drafter is not None and drafter.selector_weights() is not None and runner.draft_selects
+    assert drafter is not None and drafter.selector_weights() is not None and runner._selects_in_draft
     generator = torch.Generator().manual_seed(1)
     for rows, width in ((1, 8), (3, 8), (1, 2), (3, 5)):
         slots = [runner.scratch_slot] * rows
@@ -298,9 +301,11 @@ def test_compiled_selector_matches_eager(compiled_spec, temperature):
         starts = torch.full((rows,), 5)
         temperatures = torch.full((rows,), temperature)
         uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
-        hidden, logits = runner.draft(slots, anchors, starts, width)
-        expected = drafter.propose(hidden, logits, anchors, temperatures, uniforms[:, : width - 1], use_selector=True)
-        got = runner.draft_proposal(slots, anchors, starts, temperatures, uniforms, width)
+        hidden, logits = runner._draft_block(slots, anchors, starts, width)
+        expected = drafter_path(
+            drafter, hidden, logits, anchors, temperatures, uniforms[:, : width - 1], use_selector=True
+        )
+        got = runner.propose(slots, anchors, starts, temperatures, uniforms, width, None).proposal
         assert got.draft_ids.shape == (rows, width - 1)
         assert torch.equal(got.draft_ids, expected.draft_ids)
         assert torch.equal(got.candidate_ids, expected.candidate_ids)

@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from dflash2 import LLM, SamplingParams
-from dflash2.kv_cache import KVCache
 from dflash2.models.batch import ForwardBatch
+from dflash2.models.kv_cache import KVCache
 from dflash2.sampling import LogitsContext, target_probs
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-import dflash2.runner
+import dflash2.runner.compile
+import dflash2.runner.model_runner
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
@@ -80,8 +81,9 @@ def _decode(target, drafter, block_size: int) -> list[list[int]]:
 @pytest.mark.parametrize("block_size", [1, 8])
 def test_prepacked_engine_decodes_the_same_tokens(monkeypatch, block_size):
     with monkeypatch.context() as patch:
-        patch.setattr(dflash2.runner, "can_prepack", lambda device, dtype: False)
-        patch.setattr(dflash2.runner, "linear_backend", lambda device, dtype: None)
+        patch.setattr(dflash2.runner.compile, "can_prepack", lambda device, dtype: False)
+        patch.setattr(dflash2.runner.compile, "linear_backend", lambda device, dtype: None)
+        patch.setattr(dflash2.runner.model_runner, "linear_backend", lambda device, dtype: None)
         target, drafter = _bf16_models(seed=3)
         reference = _decode(target, drafter, block_size)
         assert isinstance(target.layers[0].mlp.gate_proj, nn.Linear)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dflash2 import LLM, SamplingParams
-from dflash2.adaptive import CostModel
 from dflash2.config import DEFAULT_PROMPT_LOOKUP_MAX, EngineConfig
 from dflash2.engine import Engine
+from dflash2.spec.adaptive import CostModel
 from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
 

@@ -8,11 +8,11 @@ import transformers
 
 from dflash2 import LLM, EngineConfig, SamplingParams
 from dflash2.engine import Engine
-from dflash2.kv_cache import KVCache
 from dflash2.models import loader
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.hf_fallback import HFCausalLMTarget
+from dflash2.models.kv_cache import KVCache
 from dflash2.models.llama import TargetModel
 from tests.tiny import tiny_drafter_config
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import jinja2.exceptions
 
 from dflash2.errors import ContextLengthExceededError
-from dflash2.request import RequestOutput, StepResult, StepStats, TokenLogprob
+from dflash2.outputs import RequestOutput, StepResult, StepStats, TokenLogprob
 from dflash2.sampling import SamplingParams, check_token_ids
 
 FAIL_MARKER = "FAIL"

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.anyio
 COUNTERS = [
     "spec_decode_num_drafts",
     "spec_decode_num_lookup_drafts",
+    "spec_decode_num_tree_nodes",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",

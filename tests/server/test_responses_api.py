@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from dflash2.request import RequestOutput, StepStats
+from dflash2.outputs import RequestOutput, StepStats
 from dflash2.sampling import SamplingParams
 from server.protocol import UsageInfo
 from server.responses.convert import responses_param

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dflash2 import adaptive
-from dflash2.adaptive import (
+from dflash2.spec import adaptive
+from dflash2.spec.adaptive import (
     AcceptanceEstimate,
     AcceptanceTracker,
     CostModel,

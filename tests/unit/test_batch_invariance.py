@@ -9,10 +9,10 @@ import torch
 
 import dflash2.config
 import dflash2.engine
-import dflash2.runner
+import dflash2.runner.model_runner
 from dflash2.models import cpu_kernels, layers
 from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, onednn_bf16
-from dflash2.selector import SelectorWeights, lattice_scores
+from dflash2.spec.selector import SelectorWeights, lattice_scores
 from tests.tiny import tiny_target
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -129,7 +129,7 @@ def test_lattice_scores_row_by_row_equal_the_batched_scores():
 
 def test_refused_on_the_avx2_kernel_with_the_reason(monkeypatch):
     # bfloat16 on a CPU without AVX512-BF16 / AMX runs on the project's kernel: say so, not "runs bfloat16".
-    monkeypatch.setattr(dflash2.runner, "onednn_bf16", lambda device, dtype: False)
+    monkeypatch.setattr(dflash2.runner.model_runner, "onednn_bf16", lambda device, dtype: False)
     target = tiny_target("qwen3", seed=0).to(torch.bfloat16)
     config = dflash2.config.EngineConfig(
         block_size=1, max_num_seqs=1, max_model_len=64, device="cpu", dtype="bfloat16", deterministic=True

@@ -23,7 +23,7 @@ from dflash2.models.loader import (
     read_drafter,
     save_drafter,
 )
-from dflash2.selector import lattice_scores, topk_candidates, walk
+from dflash2.spec.selector import lattice_scores, topk_candidates, walk
 from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash2.request import StepResult, StepStats
+from dflash2.outputs import StepResult, StepStats
 from dflash2.train.evaluate import AcceptanceResult, load_prompt_sets, markdown_table
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash2.request import PendingContext
+from dflash2.engine.request import PendingContext
 
 
 def test_chunks_from_successive_steps_concatenate_from_the_first_position():

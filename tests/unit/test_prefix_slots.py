@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash2.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
+from dflash2.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
 
 
 def test_common_prefix_length():

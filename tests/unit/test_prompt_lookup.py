@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dflash2.adaptive import CostModel, choose_lookup_width, choose_width
-from dflash2.prompt_lookup import PromptLookup
+from dflash2.spec.adaptive import CostModel, choose_lookup_width, choose_width
+from dflash2.spec.prompt_lookup import PromptLookup
 
 
 def lookup(tokens, min_n=1, max_n=3) -> PromptLookup:

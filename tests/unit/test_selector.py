@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.selector import SelectorWeights, lattice_scores, topk_candidates, walk
+from dflash2.spec.selector import SelectorWeights, lattice_scores, topk_candidates, walk
 
 
 def _weights(vocab=20, rank=4, hidden=8, zero_successor=False, seed=0):

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from dflash2.sampling import SamplingParams, probs_from_logits
-from dflash2.verify import greedy_accept, rejection_accept
+from dflash2.spec.verify import greedy_accept, rejection_accept
 
 
 def _first_emitted(num_accepted, next_ids, draft_ids):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from dflash2.request import Request, RequestStatus
+from dflash2.engine.request import Request, RequestStatus
 
 
 class Scheduler:

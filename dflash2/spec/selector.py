@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash2.models.drafter import DFlashDrafter, SelectorWeights
 from dflash2.models.layers import batch_invariant_enabled
+
+__all__ = ["Proposal", "SelectorWeights", "draft_path", "drafter_path", "lattice_scores", "topk_candidates", "walk"]
 
 
 @dataclass
@@ -31,21 +34,6 @@ class Proposal:
     draft_ids: torch.Tensor
     candidate_ids: torch.Tensor
     draft_probs: torch.Tensor
-
-
-@dataclass
-class SelectorWeights:
-    """The three selector tensors of a DFlash 2 checkpoint (spec §1.3).
-
-    Attributes:
-        predecessor_codebook: ``[V, r]`` A(·).
-        successor_codebook: ``[V, r]`` B(·).
-        hidden_projection: ``[r, H]`` H(·) (a Linear weight, no bias).
-    """
-
-    predecessor_codebook: torch.Tensor
-    successor_codebook: torch.Tensor
-    hidden_projection: torch.Tensor
 
 
 def topk_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +124,32 @@ def draft_path(
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
     lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
     return walk(candidate_ids, unary, lattice, temperatures, uniforms)
+
+
+def drafter_path(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+    use_selector: bool = True,
+) -> Proposal:
+    """:func:`draft_path` on a drafter's block outputs: its candidate count, its draft vocabulary,
+    and its selector tensors when it has a selector and ``use_selector``.
+
+    Args:
+        hidden: ``[R, J, H]`` final-normed hidden states of the drafted slots; logits: ``[R, J, V
+            or Vd]`` their unary logits (``DFlashDrafter.logits``); anchor_ids: ``[R]``;
+            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, J]`` in [0, 1).
+
+    Returns:
+        The :class:`Proposal`, candidates as token ids.
+    """
+    weights = drafter.selector_weights() if use_selector else None
+    return draft_path(
+        hidden, logits, anchor_ids, temperatures, uniforms, drafter.num_candidates, drafter.draft_vocab, weights
+    )
 
 
 def walk(

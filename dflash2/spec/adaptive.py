@@ -206,7 +206,7 @@ class CostModel:
     def verify_seconds(self, rows: int, width: int) -> float:
         """Predicted seconds of the verify forward alone (inf when never measured): a step's whole
         cost at width 1, or when its ``width − 1`` drafts need no drafter forward (prompt lookup,
-        ``dflash2/prompt_lookup.py``)."""
+        ``dflash2/spec/prompt_lookup.py``)."""
         return self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
@@ -355,7 +355,7 @@ def choose_lookup_width(
     widths: Sequence[int],
     verify_seconds: Callable[[int, int], float],
 ) -> WidthChoice:
-    """The best width for a step whose drafts come from prompt lookup (``dflash2/prompt_lookup.py``):
+    """The best width for a step whose drafts come from prompt lookup (``dflash2/spec/prompt_lookup.py``):
     :func:`choose_width` over widths ≥ 2 with the verify forward's cost alone (no drafter forward).
 
     Args:

@@ -6,12 +6,12 @@ quotes the first, a list repeats its own pattern. Prompt lookup decoding (Saxena
 Oliaro et al., 2024, and Arctic Inference's hybrid of it with a model drafter) proposes the tokens that
 followed the latest earlier occurrence of the request's last n tokens. Such a proposal costs no forward
 at all, so where it is likely to be accepted it beats a drafter forward that would propose the same or
-less: the adaptive policy (``dflash2/adaptive.py``, :func:`~dflash2.adaptive.choose_lookup_width`)
+less: the adaptive policy (``dflash2/spec/adaptive.py``, :func:`~dflash2.spec.adaptive.choose_lookup_width`)
 compares the two per step from the measured step costs and each source's live acceptance.
 
 A lookup draft is deterministic: its proposal distribution is one-hot on the copied token, so
 rejection sampling accepts it with probability ``p(d)`` and the residual is ``p`` without ``d``
-(``dflash2/verify.py``): lossless like any other draft.
+(``dflash2/spec/verify.py``): lossless like any other draft.
 """
 
 from __future__ import annotations

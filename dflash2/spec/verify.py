@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dflash2.sampling import LogitsContext, process_logits, sample_from_probs, target_probs
-from dflash2.selector import Proposal
+from dflash2.spec.selector import Proposal
 
 
 def accept_block(

@@ -1,0 +1,15 @@
+"""The model runner: the target, the drafter, their caches and the forwards of one step.
+
+| module | holds |
+|---|---|
+| ``model_runner.py`` | ``ModelRunner``: prefill, verify, propose (``Drafted``), the context append, the slots |
+| ``compile.py`` | compiler settings, the modules the graphs are built from, building and warming the graphs |
+| ``cache.py`` | slots, padding and key lengths of the static-shape forwards; ``PendingWrites`` |
+| ``costs.py`` | ``measure_costs``: the decode forwards timed for the adaptive policy |
+"""
+
+from dflash2.runner.cache import PendingWrites, key_length
+from dflash2.runner.compile import inductor_cache_dir
+from dflash2.runner.model_runner import Drafted, ModelRunner, check_deterministic
+
+__all__ = ["Drafted", "ModelRunner", "PendingWrites", "check_deterministic", "inductor_cache_dir", "key_length"]

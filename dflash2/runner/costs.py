@@ -1,0 +1,63 @@
+"""Timing the runner's decode forwards at start-up, for the adaptive policy's cost table."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from dflash2.runner.model_runner import ModelRunner
+
+
+def measure_costs(
+    runner: ModelRunner, row_counts: Sequence[int], widths: Sequence[int], repeats: int = 3, context: int = 0
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+    """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
+    drafter, a greedy step's proposal at each (rows, width ≥ 2) — its block and the choice of the
+    drafted path, :meth:`ModelRunner.propose` — (median of ``repeats`` after one warm-up call). Every
+    row sits after ``context`` tokens (clamped to the slot), so attention reads as many keys as a
+    request that far in would.
+
+    The calls are interleaved: each round times every (rows, width) once, so a stretch of load
+    from another process slows one sample of many shapes rather than every sample of one (a
+    table whose widths were timed one after another under such load verified 5–8 tokens per step
+    where 4 paid most, for good: live steps rescale every drafted width by one factor).
+
+    Returns:
+        ``({(rows, width): verify seconds}, {(rows, width): draft seconds})`` (the second empty
+        without a drafter).
+    """
+    calls: dict[tuple[str, int, int], Callable[[], object]] = {}
+    context = max(0, min(context, runner.max_model_len - max(widths, default=1)))
+    device = runner.device
+    for rows in row_counts:
+        slots, starts = [runner.scratch_slot] * rows, [context] * rows
+        for width in widths:
+            calls[("verify", rows, width)] = functools.partial(runner.verify, slots, [[0] * width] * rows, starts)
+        if runner.draft_cache is None:
+            continue
+        anchors = torch.zeros(rows, dtype=torch.long, device=device)
+        lengths = torch.full_like(anchors, max(context, 1))
+        temperatures = torch.zeros(rows, device=device)
+        uniforms = torch.zeros(rows, runner.block_size - 1, device=device)
+        for width in (w for w in widths if w > 1):
+            calls[("draft", rows, width)] = functools.partial(
+                runner.propose, slots, anchors, lengths, temperatures, uniforms, width, None
+            )
+    samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in calls}
+    with torch.inference_mode():
+        for call in calls.values():  # warm-up
+            call()
+        for _ in range(repeats):
+            for key, call in calls.items():
+                start = time.perf_counter()
+                call()
+                samples[key].append(time.perf_counter() - start)
+    medians = {key: sorted(times)[len(times) // 2] for key, times in samples.items()}
+    verify = {(rows, width): t for (kind, rows, width), t in medians.items() if kind == "verify"}
+    draft = {(rows, width): t for (kind, rows, width), t in medians.items() if kind == "draft"}
+    return verify, draft

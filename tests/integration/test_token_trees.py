@@ -1,0 +1,177 @@
+"""Token-tree speculation (``--speculative-topk`` > 1): exact greedy output, the target's distribution,
+the KV cache after a tree's accepted path is moved into place, and the settings' errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2 import LLM, SamplingParams
+from dflash2.config import EngineConfig
+from dflash2.models.batch import ForwardBatch
+from dflash2.models.kv_cache import KVCache
+from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
+from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
+from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
+from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request):
+    return tiny_target(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return [c.token_ids for c in LLM.from_engine(tiny_engine(target, None)).generate(PROMPTS, GREEDY)]
+
+
+def tree_steps(llm, prompts, params):
+    steps = []
+    outputs = llm.generate(prompts, params, on_step=lambda r: steps.append(r.stats))
+    return outputs, [s for s in steps if s.num_decode_rows]
+
+
+@pytest.mark.parametrize("topk, nodes", [(2, 8), (4, 16), (8, 24)])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_drafter_tree_matches_autoregressive(target, reference, topk, nodes, batch):
+    """A random drafter's trees (mostly rejected, some second-ranked children accepted): the text is the
+    target's own, alone and in a batch (float32, eager)."""
+    engine = tiny_engine(
+        target,
+        tiny_drafter(target, 2, 8),
+        8,
+        max_num_seqs=batch,
+        speculative_topk=topk,
+        speculative_num_draft_tokens=nodes,
+    )
+    prompts = PROMPTS[:batch]
+    outputs, steps = tree_steps(LLM.from_engine(engine), prompts, GREEDY)
+    assert [c.token_ids for c in outputs] == reference[:batch]
+    assert all(s.num_tree_nodes > 0 for s in steps if s.verify_width > 1)
+    assert max(s.num_tree_nodes for s in steps) > 7 * batch // 2  # trees, not chains of 7
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 0.7])
+def test_high_acceptance_tree_matches_autoregressive(target, reference, error_rate):
+    """An oracle drafter (the reference continuation ranked first; where corrupted at a rate, ranked
+    second): deep accepted paths, their K/V moved into place, and the text still the target's own."""
+    refs = {i: PROMPTS[i] + reference[i] for i in range(len(PROMPTS))}
+    drafter = oracle_drafter(target, refs, 8, error_rate, runner_up=True)
+    engine = tiny_engine(target, drafter, 8, speculative_topk=4, speculative_num_draft_tokens=16)
+    outputs = LLM.from_engine(engine).generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in outputs] == reference
+    tau = sum(c.mean_acceptance_length for c in outputs) / len(outputs)
+    assert tau > (4.0 if error_rate == 0.0 else 2.0)
+
+
+def test_a_tree_accepts_more_than_the_chain_of_the_same_drafter(target, reference):
+    """What a tree is for: where the first-ranked draft is corrupted the right token is ranked second,
+    and the tree verifies that branch in the same forward, so τ rises over the chain of the same
+    drafter (same text)."""
+    refs = {i: PROMPTS[i] + reference[i] for i in range(len(PROMPTS))}
+    taus = {}
+    for topk in (1, 4):
+        drafter = oracle_drafter(target, refs, 8, 0.5, seed=3, runner_up=True)
+        kwargs = {"speculative_topk": topk, "speculative_num_draft_tokens": 24} if topk > 1 else {}
+        outputs = LLM.from_engine(tiny_engine(target, drafter, 8, **kwargs)).generate(PROMPTS, GREEDY)
+        assert [c.token_ids for c in outputs] == reference
+        taus[topk] = sum(c.num_accepted_tokens for c in outputs) / sum(c.num_verify_steps for c in outputs)
+    assert taus[4] > taus[1], taus
+
+
+def test_kv_after_tree_steps_equals_a_fresh_prefill():
+    """After tree steps whose accepted paths left the first-ranked branch, the row's cached K/V equals a
+    prefill of its committed tokens."""
+    target = tiny_target(seed=2)
+    reference = LLM.from_engine(tiny_engine(target, None)).generate(PROMPTS[:1], GREEDY)[0].token_ids
+    drafter = oracle_drafter(target, {0: PROMPTS[0] + reference}, 8, 0.5, seed=4, runner_up=True)
+    engine = tiny_engine(target, drafter, 8, max_num_seqs=1, speculative_topk=4, speculative_num_draft_tokens=16)
+    engine.add_request(PROMPTS[0], GREEDY)
+    moved = 0
+    for _ in range(6):
+        result = engine.step()
+        moved += result.stats.num_tree_nodes
+    request = engine.scheduler.running[0]
+    assert moved and request.num_cached > len(PROMPTS[0]) + 6
+    committed = [*request.prompt_ids, *request.output_ids[:-1]]  # the last token is the next anchor
+    assert len(committed) == request.num_cached
+    fresh = KVCache(target.num_layers, 1, 2, 256, 16, torch.float32, "cpu")
+    batch = ForwardBatch.build([0], [committed], [0], "cpu")
+    target.run(batch, fresh, last_only=True)
+    cache, slot, n = engine.runner.target_cache, request.slot, request.num_cached
+    torch.testing.assert_close(cache.k[:, slot, :, :n], fresh.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, slot, :, :n], fresh.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_tree_sampling_matches_target_distribution():
+    """Chi-square over the 3 tokens one tree step decides (3000 requests, p > 1e-3), topk 2 over the
+    drafter's 2 candidates of 8 tokens: both siblings are tried and rejected often, and most of the
+    target's mass is reached through the residual after every sibling was rejected."""
+    target = tiny_target(vocab_size=VOCAB, seed=7)
+    drafter = tiny_drafter(target, 2, block_size=4)
+    drafter.config.__dict__["selector_top_k"] = 2
+    engine = tiny_engine(target, drafter, 4, max_num_seqs=64, speculative_topk=2, speculative_num_draft_tokens=7)
+    base = SAMPLING_CASES["temperature"]
+    params = [SamplingParams(**{**base.__dict__, "seed": i}) for i in range(3000)]
+    outputs, steps = tree_steps(LLM.from_engine(engine), [[1, 5, 2]] * len(params), params)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    assert steps[0].num_tree_nodes == 64 * 6  # every row's first decode step verifies a 6-node tree
+    assert sum(o.num_accepted_tokens for o in outputs) > 0
+    exact4 = _exact_joint(target, base, 4)
+    exact: dict[tuple[int, ...], float] = {}
+    for k, p in exact4.items():
+        exact[k[1:]] = exact.get(k[1:], 0.0) + p
+    assert _chi_square_pvalue([tuple(o.token_ids[1:]) for o in outputs], exact) > 1e-3
+
+
+def test_topk_one_tree_is_the_greedy_walk():
+    """The beam at topk 1 is the selector's greedy walk over the lattice: the chain a chain step verifies."""
+    target = tiny_target(seed=3)
+    drafter = tiny_drafter(target, 2, 8)
+    hidden = torch.randn(3, 7, drafter.config.hidden_size)
+    anchors = torch.tensor([4, 9, 11])
+    logits = drafter.logits(hidden)
+    walk = drafter_path(drafter, hidden, logits, anchors, torch.zeros(3), torch.zeros(3, 7), True)
+    candidate_ids, unary = topk_candidates(logits, drafter.num_candidates)
+    lattice = lattice_scores(hidden, anchors, candidate_ids, unary, drafter.selector_weights())
+    trees = build_trees(candidate_ids, path_log_probs(unary, lattice), anchors.tolist(), 1, [7] * 3, [7] * 3)
+    for tree, path, anchor in zip(trees, walk.draft_ids.tolist(), anchors.tolist()):
+        assert tree == TokenTree.chain([anchor, *path])
+
+
+def test_settings_and_errors(target):
+    drafter = tiny_drafter(target, 2, 8)
+    engine = tiny_engine(target, drafter, 8, speculative_topk=4)
+    assert engine.spec.tree_topk == 4 and engine.spec.tree_nodes == 14  # 2 · B − 1 nodes, the anchor not counted
+    engine = tiny_engine(target, drafter, 8, speculative_topk=2, speculative_num_draft_tokens=6)
+    assert engine.spec.tree_nodes == 5
+    assert not tiny_engine(target, drafter, 8).spec.tree
+    with pytest.raises(ValueError, match="--speculative-topk"):
+        EngineConfig(speculative_topk=0)
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens ≥ 2"):
+        EngineConfig(speculative_topk=2, speculative_num_draft_tokens=1)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        tiny_engine(target, None, speculative_topk=2)
+    with pytest.raises(ValueError, match="candidates per position"):
+        tiny_engine(target, drafter, 8, speculative_topk=drafter.num_candidates + 1)
+
+
+def test_compiled_tree_matches_autoregressive_and_the_eager_tree():
+    """The compiled tree verify (CPU: one graph, rows and node count dynamic): greedy text equals the
+    autoregressive text, batch 4 and alone, and the same steps verify the same trees as eagerly."""
+    target = tiny_target("qwen3")
+    reference = [c.token_ids for c in LLM.from_engine(tiny_engine(target, None)).generate(PROMPTS, GREEDY)]
+    drafter = tiny_drafter(target, 2, 8)
+    kwargs = {"max_num_seqs": 4, "speculative_topk": 4, "speculative_num_draft_tokens": 12}
+    engine = tiny_engine(target, drafter, 8, enforce_eager=False, **kwargs)
+    assert engine.runner._tree_forward is not None
+    outputs, steps = tree_steps(LLM.from_engine(engine), PROMPTS, GREEDY)
+    assert [c.token_ids for c in outputs] == reference
+    alone, _ = tree_steps(LLM.from_engine(engine), PROMPTS[3:], GREEDY)
+    assert alone[0].token_ids == reference[3]
+    _, eager_steps = tree_steps(LLM.from_engine(tiny_engine(target, drafter, 8, **kwargs)), PROMPTS, GREEDY)
+    assert [s.num_tree_nodes for s in steps] == [s.num_tree_nodes for s in eager_steps]
