@@ -35,7 +35,6 @@ from dflash2.models.layers import (
     RotaryEmbedding,
     apply_rope,
     attention,
-    batch_invariant_enabled,
     fused_linear,
     prepack_linears,
     shallow_copy,
@@ -593,16 +592,6 @@ class DFlashDrafter(nn.Module):
             ``[R, B, H]`` final-normed hidden states (position 0, the anchor, is unused).
         """
         assert self._target is not None, "bind_target() first"
-        if batch_invariant_enabled() and len(slots) > 1:
-            # A row's block keys follow the batch's longest context, so a shorter row attends over a gap
-            # of masked keys before them, and the product with V sums in another grouping than alone
-            # (seen with oneDNN on AMX): one row at a time.
-            return torch.cat(
-                [
-                    self.draft_hidden(cache, [slot], anchor_ids[r : r + 1], starts[r : r + 1], block_size)
-                    for r, slot in enumerate(slots)
-                ]
-            )
         positions = starts[:, None] + torch.arange(block_size, device=starts.device)[None]
         context_len = int(starts.max())
         context = [cache.read(i, slots, context_len) for i in range(self.config.num_hidden_layers)]

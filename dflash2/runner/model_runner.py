@@ -460,7 +460,15 @@ class ModelRunner:
             return hidden[:, : width - 1], logits[:, : width - 1]
         if context is not None:
             self.append_context(slots, context.starts, context.features, context.lengths)
-        hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)[:, 1:]
+        if batch_invariant_enabled() and len(slots) > 1:
+            # Deterministic mode: one row at a time, as :meth:`verify` does. Batched, a row's block keys
+            # follow the batch's longest context, so a shorter row attends over a gap of masked keys and
+            # the product with V sums in another grouping than alone (seen with oneDNN on AMX).
+            rows = [(slot, anchor_ids[r : r + 1], starts[r : r + 1]) for r, slot in enumerate(slots)]
+            hidden = torch.cat([self.drafter.draft_hidden(self.draft_cache, [s], a, t, width) for s, a, t in rows])
+        else:
+            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)
+        hidden = hidden[:, 1:]
         return hidden, self.drafter.logits(hidden)
 
     def _draft_call(

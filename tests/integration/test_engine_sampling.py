@@ -45,6 +45,15 @@ def _exact_joint(
     return joint
 
 
+def _exact_after_first(target, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
+    """P(t2, t3, t4) after ``prompt``, t1 marginalised: the tokens one verify step decides after the
+    prefill's first token, with a block of 4."""
+    exact: dict[tuple[int, ...], float] = {}
+    for k, p in _exact_joint(target, params, 4, prompt=prompt).items():
+        exact[k[1:]] = exact.get(k[1:], 0.0) + p
+    return exact
+
+
 def _chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
     """Chi-square goodness of fit, pooling cells expected below 5 into one bin."""
     n = len(samples)

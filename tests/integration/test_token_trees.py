@@ -12,11 +12,9 @@ from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
 from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
-from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
+from tests.integration.test_engine_greedy import GREEDY, PROMPTS
+from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_after_first
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
-
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -121,10 +119,7 @@ def test_tree_sampling_matches_target_distribution():
     assert all(len(o.token_ids) == 4 for o in outputs)
     assert steps[0].num_tree_nodes == 64 * 6  # every row's first decode step verifies a 6-node tree
     assert sum(o.num_accepted_tokens for o in outputs) > 0
-    exact4 = _exact_joint(target, base, 4)
-    exact: dict[tuple[int, ...], float] = {}
-    for k, p in exact4.items():
-        exact[k[1:]] = exact.get(k[1:], 0.0) + p
+    exact = _exact_after_first(target, base)
     assert _chi_square_pvalue([tuple(o.token_ids[1:]) for o in outputs], exact) > 1e-3
 
 
