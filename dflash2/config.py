@@ -206,8 +206,13 @@ class EngineSpec:
 
     @property
     def tree(self) -> bool:
-        """Drafted steps verify token trees rather than chains."""
+        """Drafted steps may verify token trees rather than chains."""
         return self.tree_nodes > 0
+
+    def tree_budget(self, width: int) -> int:
+        """Drafted nodes per row of a tree step at block width W (2 … B): the configured budget at the full
+        block, the same share of it for a narrower step, never fewer than its W − 1 drafts."""
+        return max(width - 1, round(self.tree_nodes * (width - 1) / (self.block_size - 1)))
 
 
 def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> EngineSpec:

@@ -9,6 +9,7 @@ Runs with the machine's preinstalled torch and no downloads, in a few minutes on
 3. bfloat16 timings, eager vs compiled (CUDA graphs on CUDA), batch 1: an autoregressive step,
    verify of 8 and 16 tokens, and the 5-layer DFlash 2 drafter's block of 8; then the projected
    speedup of DFlash 2 over autoregressive decoding at τ = 4.8.
+4. Token-tree verify of 8, 16, 32 and 64 nodes beside the chain of 8 (eager and compiled).
 
 Usage (from the repository root)::
 
@@ -159,8 +160,33 @@ def time_runner(
         if drafter is not None:
             anchors = torch.tensor([5], device=device)
             starts = torch.tensor([context], device=device)
-            runner.append_context([0], [0], torch.zeros(1, context, drafter.fc.in_features, device=device), [context])
-            result["draft_ms"] = timed(lambda: runner._draft_block([0], anchors, starts, block_size), device)
+            runner.drafting.append_context(
+                [0], [0], torch.zeros(1, context, drafter.fc.in_features, device=device), [context]
+            )
+            result["draft_ms"] = timed(lambda: runner.drafting.draft_block([0], anchors, starts, block_size), device)
+    return result
+
+
+TREE_NODES = (8, 16, 32, 64)
+
+
+def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, float]:
+    """Milliseconds of one tree-masked verify forward (``ModelRunner.verify_tree``) at batch 1 after 1024
+    tokens, for each node count in :data:`TREE_NODES` (a binary tree: node i's parent is (i − 1) // 2).
+    Trees run compiled on CPU only; CUDA verifies them eagerly for now."""
+    from dflash2.spec.tree import TokenTree
+
+    target = random_target(config, torch.bfloat16, device)
+    drafter = random_drafter(target, 8)
+    runner = ModelRunner(target, drafter, 1, 2048, 8, enforce_eager=eager, tree_nodes=max(TREE_NODES) - 1)
+    context = 1024
+    runner.prefill([0], [list(range(context))], [0])
+    runner.target_cache.rollback(0, context)
+    result = {}
+    with torch.inference_mode():
+        for n in TREE_NODES:
+            tree = TokenTree([5] * n, [-1, *((i - 1) // 2 for i in range(1, n))])
+            result[n] = timed(lambda tree=tree: runner.verify_tree([0], [tree], [context]), device)
     return result
 
 
@@ -205,6 +231,21 @@ def main() -> int:
         "| forwards | AR step | verify 8 | verify 16 | draft (5 layers, B = 8) | compile s |",
         "|---|---|---|---|---|---|",
         *rows,
+        "",
+    ]
+    tree_rows = []
+    for mode in ("eager", "compiled"):
+        trees = time_trees(config, device, mode == "eager")
+        tree_rows.append(
+            f"| {mode} | {costs[mode]['v8']:.2f} | " + " | ".join(f"{trees[n]:.2f}" for n in TREE_NODES) + " |"
+        )
+        print(tree_rows[-1], flush=True)
+    lines += [
+        "Token-tree verify (one tree-masked forward; CUDA runs it eagerly in both modes for now), ms:",
+        "",
+        "| forwards | chain of 8 | " + " | ".join(f"tree of {n}" for n in TREE_NODES) + " |",
+        "|---|---|" + "---|" * len(TREE_NODES),
+        *tree_rows,
         "",
     ]
     for mode, c in costs.items():

@@ -81,7 +81,11 @@ class MethodSpec:
             return f"DFlash, selector off (B={self.block_size})"
         if self.family == DFLASH2:
             if self.tree_topk > 1:
-                return f"DFlash 2, token tree (B={self.block_size}, K={self.tree_topk}, N={self.tree_nodes})"
+                tree = f"K={self.tree_topk}, N={self.tree_nodes}"
+                if self.adaptive:
+                    lookup = ", prompt lookup" if self.prompt_lookup else ""
+                    return f"DFlash 2, token tree or chain (B≤{self.block_size}, {tree}, adaptive{lookup})"
+                return f"DFlash 2, token tree (B={self.block_size}, {tree})"
             if self.adaptive:
                 lookup = ", prompt lookup" if self.prompt_lookup else ""
                 return f"DFlash 2, selector on (B≤{self.block_size}, adaptive{lookup})"
@@ -116,7 +120,9 @@ class BenchConfig:
         adaptive_rows: beside each ``dflash2`` method (full blocks of B), measure the same drafter
             with the adaptive policy choosing the verify width (rows ``dflash2-b8-adaptive``).
         tree_nodes: beside each ``dflash2`` method, the same drafter verifying token trees of each of
-            these node budgets at full blocks (rows ``dflash2-b8-tree-16``); empty: none.
+            these node budgets at full blocks (rows ``dflash2-b8-tree-16``) and, with ``adaptive_rows``,
+            the engine's default with trees on (rows ``dflash2-b8-adaptive-tree-16``: the policy chooses
+            no draft, chain or tree per step); empty: none.
         tree_topk: the branching of those trees (``--speculative-topk``).
         startup: measure the speculative engine's start-up to ready, with an empty and with a
             warm compile cache (in a temporary cache folder).
@@ -229,6 +235,16 @@ class BenchConfig:
                         engine_specs.append(replace(adaptive, prompt_lookup=lookup))
                         if lookup:  # its gain, visible in the same run
                             engine_specs.append(replace(adaptive, id=f"{adaptive.id}-no-lookup"))
+                        for n in self.tree_nodes:  # the default with trees on: the policy prices them
+                            engine_specs.append(
+                                replace(
+                                    adaptive,
+                                    id=f"{adaptive.id}-tree-{n}",
+                                    prompt_lookup=lookup,
+                                    tree_topk=self.tree_topk,
+                                    tree_nodes=n,
+                                )
+                            )
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:

@@ -38,9 +38,9 @@ def write_context(runner: ModelRunner, requests: Sequence[Request]) -> None:
     without a drafter."""
     pending = [r for r in requests if r.pending_context and r.slot is not None]
     writes = pending_writes(pending)
-    if writes is None or runner.draft_cache is None:
+    if writes is None or runner.drafting is None:
         return
     slots = [r.slot for r in pending if r.slot is not None]
-    runner.append_context(slots, writes.starts, writes.features, writes.lengths)
+    runner.drafting.append_context(slots, writes.starts, writes.features, writes.lengths)
     for request in pending:
         request.pending_context.clear()

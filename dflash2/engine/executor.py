@@ -21,7 +21,7 @@ from dflash2.grammar import GrammarBackend
 from dflash2.runner import Drafted, ModelRunner
 from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
 from dflash2.spec.selector import Proposal
-from dflash2.spec.tree import accept_tree, build_trees
+from dflash2.spec.tree import TokenTree, accept_tree, build_trees
 from dflash2.spec.verify import accept_block
 
 
@@ -49,6 +49,8 @@ class Verified:
         select_in_draft: the selector ran inside the drafting forward (its time is in ``draft_seconds``).
         tree_nodes: drafted nodes the step verified as token trees (0 for a chain step); ``logits``,
             ``features`` and ``draft_lists`` then follow each row's accepted path, as a chain's would.
+        spine_accepted: per row of a tree step, the accepted nodes that were their parent's first child
+            (what the chain of first-ranked drafts would have accepted); None for a chain step.
     """
 
     plan: Plan
@@ -64,6 +66,7 @@ class Verified:
     verify_seconds: float = 0.0
     grammar_seconds: float = 0.0
     tree_nodes: int = 0
+    spine_accepted: list[int] | None = None
 
 
 class StepExecutor:
@@ -89,8 +92,8 @@ class StepExecutor:
         starts = [r.num_cached_prompt_tokens for r in requests]
         rest = [r.prompt_ids[start:] for r, start in zip(requests, starts)]
         logits, features = self.runner.prefill(slots, rest, starts)
-        if features is not None:
-            self.runner.append_context(slots, starts, features, [len(tokens) for tokens in rest])
+        if features is not None and self.runner.drafting is not None:
+            self.runner.drafting.append_context(slots, starts, features, [len(tokens) for tokens in rest])
         no_drafts = logits.new_zeros(len(requests), 0).long()
         allowed, grammar_seconds = self._grammar_masks(requests, [[] for _ in requests], 1)
         probs = target_probs(logits, self._logits_context(requests), no_drafts, allowed)
@@ -102,7 +105,7 @@ class StepExecutor:
         acceptance decision (lossless rejection sampling; greedy rows take the argmax path)."""
         draft_seconds = select_seconds = 0.0
         select_in_draft = False
-        if plan.source is DraftSource.DRAFTER and self.spec.tree and tree_rows(rows):
+        if plan.tree:
             return self._decode_tree(rows, plan)
         if plan.source is DraftSource.DRAFTER:
             # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
@@ -148,14 +151,15 @@ class StepExecutor:
 
     def _decode_tree(self, rows: list[Request], plan: Plan) -> Verified:
         """A drafted step over token trees (``dflash2/spec/tree.py``): the drafter's block and the lattice,
-        each row's tree (the beam's best nodes, at most :meth:`tree_budget` of them and its
+        each row's tree (the beam's best nodes, at most ``EngineSpec.tree_budget`` of them and its
         ``plan.num_drafts`` deep), ONE target forward over the trees, lossless acceptance along each tree,
         and the accepted path's K/V moved into place. The result reads like a chain step's."""
         runner, device = self.runner, self.spec.device
         write_context(runner, [r for r in rows if r.pending_context.num_tokens > self.spec.block_size])
         slots, starts = [slot_of(r) for r in rows], [r.num_cached for r in rows]
         anchors = [r.output_ids[-1] for r in rows]
-        candidate_ids, log_probs, draft_seconds = runner.draft_lattice(
+        assert runner.drafting is not None
+        candidate_ids, log_probs, draft_seconds = runner.drafting.draft_lattice(
             slots,
             torch.tensor(anchors, device=device),
             torch.tensor(starts, device=device),
@@ -165,7 +169,7 @@ class StepExecutor:
         for request in rows:  # written by the drafting forward
             request.pending_context.clear()
         start = time.perf_counter()
-        budget = self.tree_budget(plan.width)
+        budget = self.spec.tree_budget(plan.width)
         limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
         trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts)
         logits, features = runner.verify_tree(slots, trees, starts)
@@ -175,7 +179,7 @@ class StepExecutor:
         probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
         # The same count of uniforms per row on every tree step, whatever the tree's shape.
         uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + 2)
-        paths, next_ids = [], []
+        paths, next_ids, spine = [], [], []
         for i, tree in enumerate(trees):
             n = len(tree)
             verdict = accept_tree(
@@ -187,6 +191,7 @@ class StepExecutor:
             runner.commit_tree(slots[i], starts[i], verdict.accepted_nodes)
             paths.append([0, *verdict.accepted_nodes])
             next_ids.append(verdict.next_id)
+            spine.append(_spine_length(tree, verdict.accepted_nodes))
         index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
         return Verified(
             plan,
@@ -199,13 +204,8 @@ class StepExecutor:
             draft_seconds,
             verify_seconds=time.perf_counter() - start,
             tree_nodes=sum(len(tree) - 1 for tree in trees),
+            spine_accepted=spine,
         )
-
-    def tree_budget(self, width: int) -> int:
-        """Drafted nodes per row of a tree step at block width W: the configured budget at the full block,
-        the same share of it for a narrower step (never fewer than its W − 1 drafts)."""
-        spec = self.spec
-        return max(width - 1, round(spec.tree_nodes * (width - 1) / (spec.block_size - 1)))
 
     def _draft(self, rows: list[Request], width: int) -> Drafted:
         """Each row's drafted path over the ``width``-token block: ONE drafter forward from the rows'
@@ -218,7 +218,10 @@ class StepExecutor:
         # B − 1 per row whatever the width: a row's random stream advances the same on every step.
         uniforms = self._step_uniforms(rows, self.spec.block_size - 1)
         slots = [slot_of(r) for r in rows]
-        drafted = self.runner.propose(slots, anchors, starts, temperatures, uniforms, width, pending_writes(rows))
+        assert self.runner.drafting is not None
+        drafted = self.runner.drafting.propose(
+            slots, anchors, starts, temperatures, uniforms, width, pending_writes(rows)
+        )
         for request in rows:  # written by the drafting forward
             request.pending_context.clear()
         return drafted
@@ -265,13 +268,14 @@ def _uniforms(request: Request, n: int) -> torch.Tensor:
     return torch.rand(n, generator=request.generator)
 
 
-def tree_rows(rows: list[Request]) -> bool:
-    """True when these rows can verify token trees: no row's logits processing depends on the tokens
-    before a node (a grammar, repetition / frequency / presence penalties, ``min_tokens`` still to
-    reach); such a step verifies chains, where each position's history is the drafted prefix."""
-    return all(
-        r.matcher is None and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens for r in rows
-    )
+def _spine_length(tree: TokenTree, accepted_nodes: list[int]) -> int:
+    """How many of the accepted nodes, from the root down, are their parent's first (best-ranked) child."""
+    count = 0
+    for node in accepted_nodes:
+        if tree.children[tree.parents[node]][0] != node:
+            break
+        count += 1
+    return count
 
 
 def _along(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

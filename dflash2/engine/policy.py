@@ -15,7 +15,9 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.request import Request
 from dflash2.runner import ModelRunner
+from dflash2.runner.costs import measure_tree_costs
 from dflash2.spec.adaptive import (
+    TREE_PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
     AcceptanceTracker,
     CostModel,
@@ -51,6 +53,8 @@ class Plan:
         num_drafts: per row, the drafts it verifies (≤ W − 1; fewer near ``max_tokens`` or the slot's end).
         predicted_tokens: tokens the adaptive policy expects the rows to commit (0 without the policy).
         lookup: the prompt-lookup proposal (one-hot on the copied tokens) when ``source`` is LOOKUP.
+        tree: the drafter's step verifies token trees (``dflash2/spec/tree.py``) of
+            ``EngineSpec.tree_budget(width)`` nodes per row, ``num_drafts`` deep, rather than chains.
     """
 
     source: DraftSource
@@ -58,6 +62,7 @@ class Plan:
     num_drafts: list[int]
     predicted_tokens: float = 0.0
     lookup: Proposal | None = None
+    tree: bool = False
 
     @property
     def verify_width(self) -> int:
@@ -69,9 +74,13 @@ class SpeculationPolicy:
     """Chooses each decode step's :class:`Plan` and learns from its outcome.
 
     Without adaptive speculation every step drafts the full block with the drafter (or none at block
-    size 1). With it, the step's width maximises predicted tokens per second (``choose_width``) and
-    prompt lookup replaces the drafter when every drafting row has a lookup draft and it predicts more.
-    A seeded request keeps the full block from the drafter, so its text does not depend on timings.
+    size 1), verified as token trees where the engine has them and the rows allow (:func:`tree_rows`).
+    With it, the step's width maximises predicted tokens per second (``choose_width``); where trees
+    are on, chains and trees of every width compete on their own acceptance and cost (a tree commits
+    more per step and costs more to verify: at high concurrency chains or no drafts win); and prompt
+    lookup replaces the drafter when every drafting row has a lookup draft and it predicts more. A
+    seeded request keeps the full block from the drafter (a tree where trees are on), so its text does
+    not depend on timings.
 
     Args:
         spec: the engine's resolved settings.
@@ -82,6 +91,7 @@ class SpeculationPolicy:
         self.spec = spec
         self.cost_model = self._measure_costs(runner) if spec.adaptive else None
         self.acceptance = AcceptanceTracker(spec.block_size - 1)
+        self.tree_acceptance = AcceptanceTracker(spec.block_size - 1, prior=TREE_PRIOR_ACCEPTANCE)
         self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
 
     def _measure_costs(self, runner: ModelRunner) -> CostModel:
@@ -100,6 +110,17 @@ class SpeculationPolicy:
             ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
             ", ".join(f"{w}: {1000 * model.draft[(1, w)]:.1f}" for w in model.widths if w > 1),
         )
+        if self.spec.tree:
+            start = time.perf_counter()
+            widths = [w for w in model.widths if w > 1]
+            nodes = {w: self.spec.tree_budget(w) for w in widths}
+            model.seed_tree(*measure_tree_costs(runner, row_counts, nodes, self.spec.tree_topk, COST_CONTEXT))
+            logger.info(
+                "adaptive speculation: token-tree step costs measured in %.1f s; ms per tree verify at 1 row "
+                "by width (nodes): %s",
+                time.perf_counter() - start,
+                ", ".join(f"{w} ({nodes[w] + 1}): {1000 * model.tree_verify[(1, w)]:.1f}" for w in widths),
+            )
         return model
 
     # ---- a new request -----------------------------------------------------------------------
@@ -109,6 +130,8 @@ class SpeculationPolicy:
         lookup on, its n-gram index over the prompt."""
         if self.cost_model is not None:
             request.acceptance = AcceptanceEstimate(list(self.acceptance.values))
+            if self.spec.tree:
+                request.tree_acceptance = AcceptanceEstimate(list(self.tree_acceptance.values))
         if self.spec.prompt_lookup_max:
             request.lookup = PromptLookup(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, request.prompt_ids)
             request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
@@ -118,15 +141,21 @@ class SpeculationPolicy:
     def plan(self, rows: list[Request]) -> Plan:
         """This step's plan for ``rows`` (they decode together)."""
         limits = self.num_drafts(rows)
+        trees = self.spec.tree and tree_rows(rows)
         choice = self._choose_width(rows, limits)
         if choice is None:  # no adaptive policy: the full block from the drafter (none at block size 1)
             source = DraftSource.DRAFTER if self.spec.speculative else DraftSource.NONE
-            return Plan(source, self.spec.block_size, [min(n, self.spec.block_size - 1) for n in limits])
+            width = self.spec.block_size
+            return Plan(source, width, [min(n, width - 1) for n in limits], tree=trees)
+        tree = self._choose_tree(rows, limits, choice) if trees else None
+        if tree is not None:
+            choice = tree
         lookup = self._lookup_plan(rows, limits, choice)
         if lookup is not None:
             return lookup
         source = DraftSource.DRAFTER if choice.width > 1 else DraftSource.NONE
-        return Plan(source, choice.width, [min(n, choice.width - 1) for n in limits], choice.predicted_tokens)
+        num_drafts = [min(n, choice.width - 1) for n in limits]
+        return Plan(source, choice.width, num_drafts, choice.predicted_tokens, tree=tree is not None)
 
     def num_drafts(self, rows: list[Request]) -> list[int]:
         """Drafts each row may verify: never past ``max_tokens`` or the end of its KV slot."""
@@ -144,6 +173,24 @@ class SpeculationPolicy:
             self.cost_model.seconds,
             min_width=self.spec.block_size if seeded(rows) else 1,
         )
+
+    def _choose_tree(self, rows: list[Request], limits: list[int], chain: WidthChoice) -> WidthChoice | None:
+        """The best token-tree width when it predicts more tokens per second than ``chain`` (the best chain
+        or no draft), else None: E_r from each row's per-depth tree acceptance, the cost from the tree
+        tables (:meth:`CostModel.tree_seconds`). A seeded row's full block is a tree whenever it can be."""
+        assert self.cost_model is not None
+        if not any(limits):
+            return None
+        tree = choose_width(
+            [r.tree_acceptance.values for r in rows if r.tree_acceptance is not None],
+            limits,
+            [w for w in self.cost_model.widths if w > 1],
+            self.cost_model.tree_seconds,
+            min_width=self.spec.block_size if seeded(rows) else 2,
+        )
+        if seeded(rows) or tree.rates.get(tree.width, 0.0) > chain.rates.get(chain.width, 0.0):
+            return tree
+        return None
 
     def _lookup_plan(self, rows: list[Request], limits: list[int], choice: WidthChoice) -> Plan | None:
         """A prompt-lookup plan (``dflash2/spec/prompt_lookup.py``) when every row that may draft has a lookup
@@ -184,30 +231,54 @@ class SpeculationPolicy:
         not what the table describes; a lookup step's drafting cost is not the drafter's)."""
         if self.cost_model is None or probing:
             return
+        if plan.tree:
+            self.cost_model.observe_tree(num_rows, plan.width, verify_seconds, draft_seconds)
+            return
         draft = None if plan.source is DraftSource.LOOKUP else draft_seconds
         self.cost_model.observe(num_rows, plan.verify_width, verify_seconds, draft)
 
-    def observe(self, request: Request, num_drafts: int, num_accepted: int, lookup: bool) -> None:
+    def observe(
+        self, request: Request, num_drafts: int, num_accepted: int, lookup: bool, spine_accepted: int | None = None
+    ) -> None:
         """Fold a row's verify outcome into the estimates for the source of its drafts (prompt lookup or
         the drafter); the other source's estimate relaxes toward its engine-wide one, so a row that
-        stopped using a source tries it again later."""
+        stopped using a source tries it again later.
+
+        A token tree's outcome (``spine_accepted`` given: how many of the accepted nodes were first-ranked
+        children) teaches both drafter estimates: the tree's per depth from the accepted path, the
+        chain's from its first-ranked spine, which is the path a chain step would have verified (for
+        greedy rows; a sampled chain walks the lattice with its own draws, close to the spine). A chain
+        step teaches only the chain's; the tree's then relaxes toward its engine-wide one."""
         if request.acceptance is None:
             return
+        tree_estimate = request.tree_acceptance
         if lookup:
             assert request.lookup_acceptance is not None
             _fold(request.lookup_acceptance, self.lookup_acceptance, num_drafts, num_accepted)
             request.acceptance.relax(self.acceptance.values)
+            if tree_estimate is not None:
+                tree_estimate.relax(self.tree_acceptance.values)
             return
-        _fold(request.acceptance, self.acceptance, num_drafts, num_accepted)
+        if spine_accepted is None:
+            _fold(request.acceptance, self.acceptance, num_drafts, num_accepted)
+            if tree_estimate is not None:
+                tree_estimate.relax(self.tree_acceptance.values)
+        else:
+            _fold(request.acceptance, self.acceptance, num_drafts, spine_accepted)
+            if tree_estimate is not None:
+                _fold(tree_estimate, self.tree_acceptance, num_drafts, num_accepted)
         if request.lookup_acceptance is not None:
             request.lookup_acceptance.relax(self.lookup_acceptance.values)
 
     def end_step(self, plan: Plan) -> None:
         """After every row was observed: a step where the drafter's acceptance was not observed lets its
-        engine-wide estimate recover toward the long run (no lock-out); likewise prompt lookup's."""
+        engine-wide estimate recover toward the long run (no lock-out); likewise the token trees' and
+        prompt lookup's."""
         lookup = plan.source is DraftSource.LOOKUP
         if self.cost_model is not None and (lookup or not any(plan.num_drafts)):
             self.acceptance.idle_step()
+        if self.cost_model is not None and self.spec.tree and not plan.tree:
+            self.tree_acceptance.idle_step()
         if self.spec.prompt_lookup_max and not lookup:
             self.lookup_acceptance.idle_step()
 
@@ -220,6 +291,15 @@ def _fold(estimate: AcceptanceEstimate, tracker: AcceptanceTracker, num_drafts: 
         tracker.observe(num_drafts, num_accepted)
     else:
         estimate.relax(tracker.values)
+
+
+def tree_rows(rows: Iterable[Request]) -> bool:
+    """True when these rows can verify token trees: no row's logits processing depends on the tokens
+    before a node (a grammar, repetition / frequency / presence penalties, ``min_tokens`` still to
+    reach); such a step verifies chains, where each position's history is the drafted prefix."""
+    return all(
+        r.matcher is None and not r.params.has_penalties and len(r.output_ids) >= r.params.min_tokens for r in rows
+    )
 
 
 def seeded(rows: Iterable[Request]) -> bool:

@@ -72,7 +72,8 @@ class Postprocessor:
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self.commit_tokens(request, emitted, logprob_rows, stats)
             _count_acceptance(request, acc, len(committed), plan.num_drafts[i], stats)
-            self.policy.observe(request, plan.num_drafts[i], acc, plan.source is DraftSource.LOOKUP)
+            spine = None if verified.spine_accepted is None else verified.spine_accepted[i]
+            self.policy.observe(request, plan.num_drafts[i], acc, plan.source is DraftSource.LOOKUP, spine)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step
         self.policy.end_step(plan)
         if self.spec.speculative and verified.features is not None:
@@ -94,8 +95,7 @@ class Postprocessor:
             stats.num_lookup_drafts += sum(1 for n in plan.num_drafts if n)
         stats.num_tree_nodes += verified.tree_nodes
         drafting = verified.draft_seconds + verified.select_seconds
-        if not verified.tree_nodes:  # a tree's verify is wider than the step's width: not that width's cost
-            self.policy.observe_costs(plan, num_rows, verified.verify_seconds, drafting, self.probing())
+        self.policy.observe_costs(plan, num_rows, verified.verify_seconds, drafting, self.probing())
         if self.spec.speculative and not stats.drafted_per_position:
             stats.accepted_per_position = [0] * (self.spec.block_size - 1)
             stats.drafted_per_position = [0] * (self.spec.block_size - 1)

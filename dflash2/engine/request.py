@@ -84,6 +84,7 @@ class Request:
     closing_from: int | None = None
     budget_closed: bool = False
     acceptance: AcceptanceEstimate | None = None  # of this request's drafter drafts (adaptive mode)
+    tree_acceptance: AcceptanceEstimate | None = None  # per depth, of its token trees (adaptive mode with trees)
     lookup: PromptLookup | None = None  # the n-gram index over its tokens (prompt lookup on)
     lookup_acceptance: AcceptanceEstimate | None = None  # of its prompt-lookup drafts
     pending_context: PendingContext = field(default_factory=PendingContext)

@@ -2,7 +2,8 @@
 
 | module | holds |
 |---|---|
-| ``model_runner.py`` | ``ModelRunner``: prefill, verify, propose (``Drafted``), the context append, the slots |
+| ``model_runner.py`` | ``ModelRunner``: prefill, verify (chains and token trees), the tree's K/V commit, the slots |
+| ``draft_runner.py`` | ``DraftRunner``: drafter context cache, propose (``Drafted``), the lattice, context writes |
 | ``compile.py`` | compiler settings, the modules the graphs are built from, building and warming the graphs |
 | ``cache.py`` | slots, padding and key lengths of the static-shape forwards; ``PendingWrites`` |
 | ``costs.py`` | ``measure_costs``: the decode forwards timed for the adaptive policy |
@@ -10,6 +11,15 @@
 
 from dflash2.runner.cache import PendingWrites, key_length
 from dflash2.runner.compile import inductor_cache_dir
-from dflash2.runner.model_runner import Drafted, ModelRunner, check_deterministic
+from dflash2.runner.draft_runner import Drafted, DraftRunner
+from dflash2.runner.model_runner import ModelRunner, check_deterministic
 
-__all__ = ["Drafted", "ModelRunner", "PendingWrites", "check_deterministic", "inductor_cache_dir", "key_length"]
+__all__ = [
+    "DraftRunner",
+    "Drafted",
+    "ModelRunner",
+    "PendingWrites",
+    "check_deterministic",
+    "inductor_cache_dir",
+    "key_length",
+]

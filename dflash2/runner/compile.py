@@ -487,7 +487,7 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
     """Build every graph now (rows on the scratch slot only), not in the middle of a request:
     per row bucket, the drafter's block and the selector, and the target and the context append
     at width 1 and at the block width (on CPU one graph covers every width from 2 up)."""
-    cuda, block_size, device = runner.device.type == "cuda", runner.block_size, runner.device
+    cuda, block_size, device, drafting = runner.device.type == "cuda", runner.block_size, runner.device, runner.drafting
     widths = dict.fromkeys((1, block_size)) if name in ("target", "context") else {block_size: None}
     for num_rows in dict.fromkeys(_row_buckets(runner)):
         for width in widths:
@@ -500,13 +500,14 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
                     chain = TokenTree.chain([0] * (runner.tree_nodes + 1))
                     runner._tree_call(slots, [chain] * num_rows, [0] * num_rows, forward)
                 elif name == "context":
-                    assert runner.drafter is not None
-                    dim = runner.drafter.fc.in_features
+                    assert drafting is not None
+                    dim = drafting.drafter.fc.in_features
                     features = torch.zeros(num_rows, width, dim, dtype=runner.dtype, device=device)
-                    runner._context_call(slots, PendingWrites(features, [width] * num_rows, [0] * num_rows), forward)
+                    drafting.context_call(slots, PendingWrites(features, [width] * num_rows, [0] * num_rows), forward)
                 else:  # the drafter's block (on CPU with the context write and the walk)
+                    assert drafting is not None
                     anchors = torch.zeros(num_rows, dtype=torch.long, device=device)
-                    runner._draft_call(slots, anchors, torch.ones_like(anchors), block_size, forward=forward)
+                    drafting.draft_call(slots, anchors, torch.ones_like(anchors), block_size, forward=forward)
             elapsed = time.perf_counter() - start
             rows_label = f"{num_rows}{'+' if num_rows > 1 and not cuda else ''}"
             width_label = f" width={'2+' if width > 1 and not cuda else width}" if len(widths) > 1 else ""

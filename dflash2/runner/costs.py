@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash2.spec.tree import build_trees
+
 if TYPE_CHECKING:
     from dflash2.runner.model_runner import ModelRunner
 
@@ -18,7 +20,7 @@ def measure_costs(
 ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
     drafter, a greedy step's proposal at each (rows, width ≥ 2) — its block and the choice of the
-    drafted path, :meth:`ModelRunner.propose` — (median of ``repeats`` after one warm-up call). Every
+    drafted path, :meth:`DraftRunner.propose` — (median of ``repeats`` after one warm-up call). Every
     row sits after ``context`` tokens (clamped to the slot), so attention reads as many keys as a
     request that far in would.
 
@@ -38,7 +40,7 @@ def measure_costs(
         slots, starts = [runner.scratch_slot] * rows, [context] * rows
         for width in widths:
             calls[("verify", rows, width)] = functools.partial(runner.verify, slots, [[0] * width] * rows, starts)
-        if runner.draft_cache is None:
+        if runner.drafting is None:
             continue
         anchors = torch.zeros(rows, dtype=torch.long, device=device)
         lengths = torch.full_like(anchors, max(context, 1))
@@ -46,8 +48,68 @@ def measure_costs(
         uniforms = torch.zeros(rows, runner.block_size - 1, device=device)
         for width in (w for w in widths if w > 1):
             calls[("draft", rows, width)] = functools.partial(
-                runner.propose, slots, anchors, lengths, temperatures, uniforms, width, None
+                runner.drafting.propose, slots, anchors, lengths, temperatures, uniforms, width, None
             )
+    return _timed(calls, repeats)
+
+
+def measure_tree_costs(
+    runner: ModelRunner, row_counts: Sequence[int], nodes: dict[int, int], topk: int, context: int = 0, repeats: int = 3
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+    """Time a token-tree step's parts as :func:`measure_costs` times a chain's: at each (rows, width W)
+    the drafting (:meth:`DraftRunner.draft_lattice`: the block, top-k and the lattice's log-probabilities)
+    and the verify (the beam's tree of ``nodes[W]`` drafted nodes, :func:`dflash2.spec.tree.build_trees`,
+    and ONE tree-masked forward, :meth:`ModelRunner.verify_tree`).
+
+    Args:
+        nodes: drafted nodes per row by width (``EngineSpec.tree_budget``); topk: the beam's branching.
+
+    Returns:
+        ``({(rows, width): verify seconds}, {(rows, width): draft seconds})``; empty without a drafter.
+    """
+    drafting = runner.drafting
+    if drafting is None:
+        return {}, {}
+    calls: dict[tuple[str, int, int], Callable[[], object]] = {}
+    context = max(0, min(context, runner.max_model_len - max(nodes.values(), default=1) - 1))
+    for rows in row_counts:
+        slots, starts = [runner.scratch_slot] * rows, [context] * rows
+        anchors = torch.zeros(rows, dtype=torch.long, device=runner.device)
+        lengths = torch.full_like(anchors, max(context, 1))
+        for width, count in nodes.items():
+            draft = functools.partial(drafting.draft_lattice, slots, anchors, lengths, width, None)
+            with torch.inference_mode():
+                candidate_ids, log_probs, _ = draft()
+
+            calls[("draft", rows, width)] = draft
+            calls[("verify", rows, width)] = functools.partial(
+                _verify_tree, runner, slots, starts, candidate_ids, log_probs, topk, count, width - 1
+            )
+    return _timed(calls, repeats)
+
+
+def _verify_tree(
+    runner: ModelRunner,
+    slots: list[int],
+    starts: list[int],
+    candidate_ids: torch.Tensor,
+    log_probs: torch.Tensor,
+    topk: int,
+    num_nodes: int,
+    depth: int,
+) -> None:
+    """A tree step's verify part: the beam's trees from a drafted lattice, then the tree-masked forward."""
+    trees = build_trees(
+        candidate_ids, log_probs, [0] * len(slots), topk, [num_nodes] * len(slots), [depth] * len(slots)
+    )
+    runner.verify_tree(slots, trees, starts)
+
+
+def _timed(
+    calls: dict[tuple[str, int, int], Callable[[], object]], repeats: int
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+    """Median seconds of each call after one warm-up round, the calls interleaved round by round;
+    split into the ``verify`` and ``draft`` tables by (rows, width)."""
     samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in calls}
     with torch.inference_mode():
         for call in calls.values():  # warm-up

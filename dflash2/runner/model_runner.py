@@ -1,7 +1,8 @@
 """``ModelRunner``: the target, the drafter, their KV caches, and the forwards of one step.
 
-``ModelRunner`` runs prefill, verify, the drafted proposal and the drafter's context append on
-tensors, so ``Engine.step`` only schedules, accepts and commits. Decode-time forwards (verify,
+``ModelRunner`` runs prefill, verify (chains and token trees) and the K/V bookkeeping on tensors;
+its :class:`~dflash2.runner.draft_runner.DraftRunner` runs the drafted proposal and the drafter's
+context append, so ``Engine.step`` only schedules, accepts and commits. Decode-time forwards (verify,
 the autoregressive step, the drafter's block; on CPU also the context append and the selector)
 run compiled (``dflash2/runner/compile.py``) unless ``EngineConfig.enforce_eager``:
 
@@ -24,9 +25,7 @@ F·H captured features, W the step's verify width (≤ the block size B), J = W 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,39 +37,19 @@ from dflash2.models.layers import BACKEND_NAMES, batch_invariant_enabled, linear
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.runner import compile as graphs
 from dflash2.runner.cache import (
-    PendingWrites,
     bucket_rows,
-    context_writes,
-    draft_inputs,
-    flat_context,
     key_length,
     layer_caches,
     read_slots_index,
     target_inputs,
     tree_inputs,
 )
-from dflash2.runner.compile import compiled_mode, graph_input, mark_dynamic
+from dflash2.runner.compile import compiled_mode, mark_dynamic
 from dflash2.runner.costs import measure_costs
-from dflash2.spec.selector import Proposal, drafter_path, lattice_scores, topk_candidates
-from dflash2.spec.tree import TokenTree, path_log_probs
+from dflash2.runner.draft_runner import DraftRunner, SlotLayout
+from dflash2.spec.tree import TokenTree
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Drafted:
-    """A drafted step's proposal and what it cost.
-
-    Attributes:
-        proposal: the drafted path over W − 1 slots, candidates as token ids.
-        draft_seconds: the drafter's forward, with the context write, and with the selector where
-            it runs in the same graph.
-        select_seconds: the selector's own time; None when it ran inside the drafting graph.
-    """
-
-    proposal: Proposal
-    draft_seconds: float
-    select_seconds: float | None
 
 
 class ModelRunner:
@@ -97,10 +76,8 @@ class ModelRunner:
             steps verify trees (``speculative_topk`` > 1), else 0; builds the tree verify graph.
 
     Attributes:
-        sync_timing: wait for the device's queued kernels before each phase of :meth:`propose`
-            ends (CUDA; nothing to wait for on CPU). Kernels run asynchronously, so without it a
-            GPU's drafting and selection time is counted by whatever synchronizes next (the
-            verify). Off by default: it costs a synchronization per phase; the benchmark sets it.
+        drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context
+            cache and the drafting forwards), or None without speculation.
 
     Raises:
         ValueError: ``deterministic`` where it cannot hold (see :func:`check_deterministic`).
@@ -123,7 +100,6 @@ class ModelRunner:
         self.tree_nodes = tree_nodes
         self.use_selector = use_selector
         self.dynamic_threads = dynamic_threads
-        self.sync_timing = False
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
         self.dtype = embed_weight.dtype
@@ -139,11 +115,11 @@ class ModelRunner:
         # One position more than a request can use: a key range [0, T) is then never the whole
         # cache, so the compiled graphs do not specialise on that case.
         self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1)
-        self.draft_cache = (
-            drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
-            if speculative and drafter is not None
-            else None
-        )
+        self.drafting: DraftRunner | None = None
+        if speculative and drafter is not None:
+            layout = SlotLayout(self.device, self.dtype, num_slots, max_model_len, block_size)
+            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
+            self.drafting = DraftRunner(drafter, cache, layout, use_selector)
         self._cuda = self.device.type == "cuda"
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
@@ -156,12 +132,11 @@ class ModelRunner:
                 logger.warning("no static forwards, running eagerly: %s", graphs.short_error(error))
         self._prepack_eager()  # prefill, and any forward that does not compile, runs these
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._draft_forward: Callable[..., tuple[torch.Tensor, ...]] | None = None
-        self._context_forward: Callable[..., torch.Tensor] | None = None
         self._tree_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        forwards = graphs.compile_modules(self, modules) if modules else {}
-        self._target_forward, self._draft_forward = forwards.get("target"), forwards.get("drafter")
-        self._context_forward, self._tree_forward = forwards.get("context"), forwards.get("tree")
+        forwards = graphs.compile_modules(self, modules) if modules else {}  # warm-up reads the Nones above
+        self._target_forward, self._tree_forward = forwards.get("target"), forwards.get("tree")
+        if self.drafting is not None:
+            self.drafting.forward, self.drafting.context_forward = forwards.get("drafter"), forwards.get("context")
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -180,12 +155,7 @@ class ModelRunner:
     @property
     def drafter_compiled(self) -> bool:
         """True when the drafter's block forward runs compiled (not through ``DFlashDrafter.draft_hidden``)."""
-        return self._draft_forward is not None
-
-    @property
-    def _selects_in_draft(self) -> bool:
-        """The compiled drafting graph also writes the pending context and walks the path (CPU)."""
-        return self._draft_forward is not None and not self._cuda
+        return self.drafting is not None and self.drafting.forward is not None
 
     def _prepack_eager(self) -> None:
         """Pre-pack the eager modules' linear weights (CPU bfloat16 only). The compiled modules were
@@ -354,210 +324,22 @@ class ModelRunner:
         if not self._cuda:  # CUDA graphs have static shapes
             mark_dynamic(row_inputs, keys, width_inputs)
 
-    # ---- the drafter ------------------------------------------------------------------------------
+    # ---- the drafter (dflash2/runner/draft_runner.py) ----------------------------------------------
 
-    def propose(
-        self,
-        slots: list[int],
-        anchor_ids: torch.Tensor,
-        starts: torch.Tensor,
-        temperatures: torch.Tensor,
-        uniforms: torch.Tensor,
-        width: int,
-        context: PendingWrites | None,
-    ) -> Drafted:
-        """A drafted step's proposal: the drafter context ``context`` holds for these rows is written,
-        ONE drafter forward runs over every row's block ``[anchor, MASK × (W−1)]``, then the selector
-        chooses each row's path (top-k candidates, the DFlash 2 lattice unless ``use_selector`` is
-        off, the walk). On CPU, compiled, all three are one graph; with CUDA graphs the drafter runs
-        the full block (fixed shapes) and its first W − 1 slots are used; eagerly each is its own call.
+    @property
+    def draft_cache(self) -> KVCache | None:
+        """The drafter's context cache, or None without speculation."""
+        return self.drafting.cache if self.drafting is not None else None
 
-        The drafter runs only the W tokens the step verifies, so a narrow step (adaptive speculation)
-        pays for a narrow draft; its block attention is bidirectional, so these are not the first
-        W − 1 drafts of a B-token block (``docs/engine.md``). Verification is lossless either way.
+    @property
+    def sync_timing(self) -> bool:
+        """Whether drafting phases wait for the device's queued kernels (:attr:`DraftRunner.sync_timing`)."""
+        return self.drafting is not None and self.drafting.sync_timing
 
-        Args:
-            slots: the rows' cache slots (R); anchor_ids: ``[R]``; starts: ``[R]`` int64, each
-                anchor's position (= its context length, counting ``context``'s tokens).
-            temperatures: ``[R]`` float32 (≤ 1e-5 walks greedily); uniforms: ``[R, B − 1]`` in
-                [0, 1) (the first W − 1 are used).
-            width: W, 2 … B.
-            context: target features still to be written as these rows' drafter context
-                (:meth:`append_context`'s arguments, one entry per row, length 0 for none), or None.
-
-        Returns:
-            The :class:`Drafted` proposal over W − 1 slots and its phase times (:attr:`sync_timing`).
-
-        Raises:
-            ValueError: when ``width`` is outside 2 … B.
-        """
-        assert self.drafter is not None
-        self._check_width(width)
-        start = time.perf_counter()
-        if self._selects_in_draft:
-            _, _, *path = self._draft_call(slots, anchor_ids, starts, width, context, temperatures, uniforms)
-            proposal = Proposal(*(t[:, : width - 1] for t in path))
-            return Drafted(proposal, self._phase_end() - start, None)
-        hidden, logits = self._draft_block(slots, anchor_ids, starts, width, context)
-        drafted = self._phase_end()
-        proposal = drafter_path(
-            self.drafter, hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1], self.use_selector
-        )
-        return Drafted(proposal, drafted - start, self._phase_end() - drafted)
-
-    def draft_lattice(
-        self,
-        slots: list[int],
-        anchor_ids: torch.Tensor,
-        starts: torch.Tensor,
-        width: int,
-        context: PendingWrites | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """A tree step's drafting: the drafter's block as :meth:`propose` runs it, then each slot's top-k
-        candidates and their draft log-probabilities given the candidate before (the DFlash 2 lattice
-        unless ``use_selector`` is off; :func:`dflash2.spec.tree.path_log_probs`).
-
-        Returns:
-            ``(candidate_ids [R, W−1, k] token ids, log_probs [R, W−1, k, k] float32, seconds)``.
-        """
-        assert self.drafter is not None
-        start = time.perf_counter()
-        hidden, logits = self._draft_block(slots, anchor_ids, starts, width, context)
-        with torch.inference_mode():
-            candidate_ids, unary = topk_candidates(logits, self.drafter.num_candidates)
-            if self.drafter.draft_vocab is not None:
-                candidate_ids = self.drafter.draft_vocab[candidate_ids]
-            weights = self.drafter.selector_weights() if self.use_selector else None
-            lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
-            log_probs = path_log_probs(unary, lattice)
-        return candidate_ids, log_probs, self._phase_end() - start
-
-    def _check_width(self, width: int) -> None:
-        if not 2 <= width <= self.block_size:
-            raise ValueError(f"draft width {width} outside 2 … {self.block_size}")
-
-    def _phase_end(self) -> float:
-        """``time.perf_counter()`` at the end of a phase, after the device's queued kernels when
-        :attr:`sync_timing`."""
-        if self.sync_timing and self._cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _draft_block(
-        self,
-        slots: list[int],
-        anchor_ids: torch.Tensor,
-        starts: torch.Tensor,
-        width: int,
-        context: PendingWrites | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's block for :meth:`propose`'s arguments, before the selector: ``(hidden
-        [R, W−1, H], unary logits [R, W−1, V or Vd] float32)``."""
-        assert self.drafter is not None and self.draft_cache is not None
-        self._check_width(width)
-        if self._draft_forward is not None:
-            hidden, logits, *_ = self._draft_call(slots, anchor_ids, starts, width, context)
-            return hidden[:, : width - 1], logits[:, : width - 1]
-        if context is not None:
-            self.append_context(slots, context.starts, context.features, context.lengths)
-        if batch_invariant_enabled() and len(slots) > 1:
-            # Deterministic mode: one row at a time, as :meth:`verify` does. Batched, a row's block keys
-            # follow the batch's longest context, so a shorter row attends over a gap of masked keys and
-            # the product with V sums in another grouping than alone (seen with oneDNN on AMX).
-            rows = [(slot, anchor_ids[r : r + 1], starts[r : r + 1]) for r, slot in enumerate(slots)]
-            hidden = torch.cat([self.drafter.draft_hidden(self.draft_cache, [s], a, t, width) for s, a, t in rows])
-        else:
-            hidden = self.drafter.draft_hidden(self.draft_cache, slots, anchor_ids, starts, width)
-        hidden = hidden[:, 1:]
-        return hidden, self.drafter.logits(hidden)
-
-    def _draft_call(
-        self,
-        slots: list[int],
-        anchor_ids: torch.Tensor,
-        starts: torch.Tensor,
-        width: int,
-        context: PendingWrites | None = None,
-        temperatures: torch.Tensor | None = None,
-        uniforms: torch.Tensor | None = None,
-        forward: Callable[..., tuple[torch.Tensor, ...]] | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """The compiled drafting forward: ``(hidden, logits)`` with CUDA graphs (over the full block,
-        after an eager context write), ``(hidden, logits, draft_ids, candidate_ids, draft_probs)`` on
-        CPU (:class:`~dflash2.runner.compile.CompiledProposer`; greedy walks without
-        ``temperatures``), rows cut back to R."""
-        forward = self._draft_forward if forward is None else forward
-        assert forward is not None and self.draft_cache is not None and self.drafter is not None
-        if self._cuda:
-            if context is not None:
-                self.append_context(slots, context.starts, context.features, context.lengths)
-                context = None
-            width = self.block_size
-        num_rows, device = len(slots), self.device
-        padded_rows = bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
-        max_start = int(starts.max())
-        with compiled_mode():  # fresh tensors: the engine's may be inference tensors
-            inputs = draft_inputs(slots, anchor_ids, starts, width, padded_rows, self.scratch_slot, device)
-            keys = torch.arange(key_length(max(max_start, 1), self.max_model_len, self._cuda), device=device)
-            self._mark_dynamic(inputs, keys, width_inputs=[inputs[1]])
-            if self._cuda:
-                outputs = forward(*inputs, keys)
-            else:
-                # At least two context tokens per row (padding writes the scratch slot), so that one graph
-                # per row class serves every step (a width of 1 would be a graph of its own).
-                if context is None:
-                    features = torch.zeros(num_rows, 2, self.drafter.fc.in_features, dtype=self.dtype)
-                    context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
-                writes = self._context_inputs(slots, context, min_width=2)
-                self._mark_dynamic(writes, width_inputs=writes)
-                if temperatures is None or uniforms is None:
-                    temperatures, uniforms = torch.zeros(num_rows), torch.zeros(num_rows, self.block_size - 1)
-                sampling = [graph_input(temperatures.float()), graph_input(uniforms.float())]
-                self._mark_dynamic(sampling)
-                outputs = forward(*writes, *inputs, keys, *sampling)
-        if context is not None:
-            self._roll_context(slots, context.starts, context.lengths)
-        return tuple(t[:num_rows] for t in outputs)
-
-    def append_context(
-        self, slots: list[int], starts: list[int], features: torch.Tensor, lengths: Sequence[int]
-    ) -> None:
-        """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
-
-        Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context
-        covers every position whose target feature is known (spec §10 cache discipline).
-        """
-        assert self.drafter is not None and self.draft_cache is not None
-        if self._context_forward is not None:
-            self._context_call(slots, PendingWrites(features, list(lengths), list(starts)))
-        else:  # through the eager drafter (its linears pre-packed on CPU)
-            flat = flat_context(slots, list(starts), features, list(lengths), self.device)
-            self.drafter.append_context(self.draft_cache, *flat)
-        self._roll_context(slots, starts, lengths)
-
-    def _roll_context(self, slots: list[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
-        """Each slot's drafter context now ends after its written tokens (rows with none unchanged)."""
-        assert self.draft_cache is not None
-        for slot, start, n in zip(slots, starts, lengths):
-            if n:
-                self.draft_cache.rollback(slot, start + n)
-
-    def _context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
-        """:func:`~dflash2.runner.cache.context_writes` as graph inputs, in the dtype the graphs were built for."""
-        features, *writes = context_writes(slots, context, self.dtype, self.scratch_slot, min_width)
-        return [graph_input(features), *(t.to(self.device) for t in writes)]
-
-    def _context_call(
-        self, slots: list[int], context: PendingWrites, forward: Callable[..., torch.Tensor] | None = None
-    ) -> None:
-        """The drafter context write through the compiled context append (the caller rolls the slots
-        forward)."""
-        forward = self._context_forward if forward is None else forward
-        assert forward is not None
-        with compiled_mode():
-            inputs = self._context_inputs(slots, context)
-            self._mark_dynamic(inputs, width_inputs=inputs)
-            forward(*inputs)
+    @sync_timing.setter
+    def sync_timing(self, value: bool) -> None:
+        if self.drafting is not None:
+            self.drafting.sync_timing = value
 
     # ---- slots ------------------------------------------------------------------------------------
 

@@ -21,9 +21,14 @@ and takes the best, where
   (:class:`AcceptanceTracker`);
 - ``T(R, W)`` is the step's seconds: the verify forward (+ sampling) at R rows and width W, plus the
   drafter forward over a W-token block and the selector walk at R rows when W > 1 (the drafter runs
-  only the block the step verifies, ``ModelRunner.draft``). It is measured at start-up on the actual
+  only the block the step verifies, ``DraftRunner.propose``). It is measured at start-up on the actual
   machine and shapes (``ModelRunner.measure_costs``) and scaled, per row count, by what live steps
   measure (:class:`CostModel`).
+
+With token trees on (``--speculative-topk`` > 1) a drafted width W may also verify a tree W − 1 deep:
+its E_r comes from the row's per-depth *tree* acceptance and its T from the tree tables
+(:meth:`CostModel.tree_seconds`), and the policy takes the best of no draft, chains and trees
+(``dflash2/engine/policy.py``, docs/engine.md "Token trees").
 
 Only the block length changes, so outputs stay exactly as lossless as with a fixed block (a shorter
 block is a valid block; the choice depends on past steps only). One exception keeps a guarantee: a
@@ -41,6 +46,9 @@ from dataclasses import dataclass, field
 # Starting acceptance per draft position before anything is observed: optimistic enough that the
 # first steps speculate (and so measure acceptance).
 PRIOR_ACCEPTANCE = 0.6
+# The same for token trees, per depth: a tree keeps the first-ranked path and adds the runners-up, so it
+# starts more optimistic than a chain (otherwise a tree, dearer to verify, is never tried and never learnt).
+TREE_PRIOR_ACCEPTANCE = 0.7
 ROW_ALPHA = 0.15  # weight of a row's newest verify outcome in its estimate
 # Per step without drafts, how far a row's estimate moves back toward the engine-wide one: a row that
 # stopped drafting after a bad patch is re-tried instead of staying autoregressive for good.
@@ -158,7 +166,8 @@ class CostModel:
     that row count (longer contexts than at start-up, a slower host, another thread count), instead
     of the policy trusting the optimistic start-up figure of each width it has not tried yet — which
     made it draft under load, where drafting loses. A row count that has not drafted yet borrows
-    drafting's factors (:meth:`seconds`).
+    drafting's factors (:meth:`seconds`). Token-tree steps have tables and factors of their own
+    (``tree_verify``, ``tree_draft``, :meth:`seed_tree`, :meth:`tree_seconds`, :meth:`observe_tree`).
     """
 
     max_rows: int
@@ -167,6 +176,10 @@ class CostModel:
     draft: dict[tuple[int, int], float] = field(default_factory=dict)
     verify_scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     draft_scale: dict[int, float] = field(default_factory=dict)
+    tree_verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    tree_draft: dict[tuple[int, int], float] = field(default_factory=dict)
+    tree_verify_scale: dict[int, float] = field(default_factory=dict)
+    tree_draft_scale: dict[int, float] = field(default_factory=dict)
 
     def seed(self, verify: dict[tuple[int, int], float], draft: dict[tuple[int, int], float]) -> None:
         """Fill every (R, W) from measurements at some row counts (linear interpolation in R; beyond the
@@ -178,14 +191,30 @@ class CostModel:
         otherwise be preferred for the engine's whole life, since live steps rescale every drafted
         width by one factor. Width 1 keeps its own time: it has its own live factor.
         """
+        self._fill(self.verify, self.draft, verify, draft, self.widths)
+
+    def seed_tree(self, verify: dict[tuple[int, int], float], draft: dict[tuple[int, int], float]) -> None:
+        """Fill the token-tree step's tables as :meth:`seed` fills the chain's: ``verify[(R, W)]`` the tree
+        verify forward over the node budget of a width-W step (``EngineSpec.tree_budget``) with the tree's
+        build and acceptance, ``draft[(R, W)]`` the drafter's block with the lattice's log-probabilities."""
+        self._fill(self.tree_verify, self.tree_draft, verify, draft, tuple(w for w in self.widths if w > 1))
+
+    def _fill(
+        self,
+        verify_table: dict[tuple[int, int], float],
+        draft_table: dict[tuple[int, int], float],
+        verify: dict[tuple[int, int], float],
+        draft: dict[tuple[int, int], float],
+        widths: Sequence[int],
+    ) -> None:
         verify, draft = _monotone_in_width(verify), _monotone_in_width(draft)
-        for width in self.widths:
+        for width in widths:
             known = {r: t for (r, w), t in verify.items() if w == width}
             drafting = {r: t for (r, w), t in draft.items() if w == width}
             for rows in range(1, self.max_rows + 1):
-                self.verify[(rows, width)] = _interpolate(known, rows)
+                verify_table[(rows, width)] = _interpolate(known, rows)
                 if width > 1:
-                    self.draft[(rows, width)] = _interpolate(drafting, rows)
+                    draft_table[(rows, width)] = _interpolate(drafting, rows)
 
     def seconds(self, rows: int, width: int) -> float:
         """Predicted seconds of a step (inf when never measured).
@@ -208,6 +237,31 @@ class CostModel:
         cost at width 1, or when its ``width − 1`` drafts need no drafter forward (prompt lookup,
         ``dflash2/spec/prompt_lookup.py``)."""
         return self.verify.get((rows, width), math.inf) * self._verify_factor(rows, width > 1)
+
+    def tree_seconds(self, rows: int, width: int) -> float:
+        """Predicted seconds of a token-tree step whose deepest drafts sit ``width − 1`` after the anchor
+        (:meth:`seconds` at width 1; inf when never measured). Its factors, until learned, are borrowed
+        from the chain's drafted steps at the same row count (:meth:`seconds`)."""
+        if width == 1:
+            return self.seconds(rows, 1)
+        verify = self.tree_verify.get((rows, width), math.inf) * self._tree_factor(rows)
+        return verify + self.tree_draft.get((rows, width), math.inf) * self.tree_draft_scale.get(
+            rows, self._draft_factor(rows)
+        )
+
+    def observe_tree(self, rows: int, width: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Fold one token-tree step's timings into its row count's tree factors (as :meth:`observe`)."""
+        self.tree_verify_scale[rows] = _learned(
+            self._tree_factor(rows), verify_seconds, self.tree_verify.get((rows, width), 0.0)
+        )
+        self.tree_draft_scale[rows] = _learned(
+            self.tree_draft_scale.get(rows, self._draft_factor(rows)),
+            draft_seconds,
+            self.tree_draft.get((rows, width), 0.0),
+        )
+
+    def _tree_factor(self, rows: int) -> float:
+        return self.tree_verify_scale.get(rows, self._verify_factor(rows, True))
 
     def observe(self, rows: int, width: int, verify_seconds: float, draft_seconds: float | None) -> None:
         """Fold one step's measured timings into the factors of its row count (a factor learned for
@@ -235,8 +289,9 @@ class CostModel:
         plain = self.verify_scale[(rows, False)]
         if (rows, True) in self.verify_scale:
             self.verify_scale[(rows, True)] += COST_RELAX * (plain - self.verify_scale[(rows, True)])
-        if rows in self.draft_scale:
-            self.draft_scale[rows] += COST_RELAX * (plain - self.draft_scale[rows])
+        for scales in (self.draft_scale, self.tree_verify_scale, self.tree_draft_scale):
+            if rows in scales:
+                scales[rows] += COST_RELAX * (plain - scales[rows])
 
     def _verify_factor(self, rows: int, drafted: bool) -> float:
         if drafted and (rows, True) not in self.verify_scale:

@@ -22,6 +22,7 @@ METHOD_IDS = [
     "dflash2-b4-tree-6",
     "dflash2-b4-adaptive",
     "dflash2-b4-adaptive-no-lookup",
+    "dflash2-b4-adaptive-tree-6",
     "hf",
 ]
 

@@ -171,11 +171,13 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
         "dflash2-b8-tree-16",
         "dflash2-b8-adaptive",
         "dflash2-b8-adaptive-no-lookup",
+        "dflash2-b8-adaptive-tree-16",
         "dflash2-b16",
         "dflash2-b16-eager",
         "dflash2-b16-tree-16",
         "dflash2-b16-adaptive",
         "dflash2-b16-adaptive-no-lookup",
+        "dflash2-b16-adaptive-tree-16",
     ]
     adaptive = specs["dflash2-b8-adaptive"]
     assert adaptive.adaptive and adaptive.use_selector and adaptive.prompt_lookup
@@ -184,11 +186,24 @@ def test_adaptive_rows_run_the_policy_beside_full_blocks() -> None:
     tree = specs["dflash2-b8-tree-16"]  # full blocks, no policy: the tree's own acceptance
     assert (tree.tree_topk, tree.tree_nodes, tree.adaptive) == (4, 16, False)
     assert tree.label == "DFlash 2, token tree (B=8, K=4, N=16)"
+    adaptive_tree = specs["dflash2-b8-adaptive-tree-16"]  # the default with trees on
+    assert (adaptive_tree.tree_topk, adaptive_tree.tree_nodes) == (4, 16)
+    assert adaptive_tree.adaptive and adaptive_tree.prompt_lookup
+    assert adaptive_tree.label == "DFlash 2, token tree or chain (B≤8, K=4, N=16, adaptive, prompt lookup)"
     workload = types.SimpleNamespace(folder=Path("unused"))
     engines = {
         id_: worker_spec(config, specs[id_], workload, [], None)["engine"]  # type: ignore[arg-type]
-        for id_ in ("dflash2-b8", "dflash2-b8-adaptive", "dflash2-b8-adaptive-no-lookup", "dflash2-b8-tree-16")
+        for id_ in (
+            "dflash2-b8",
+            "dflash2-b8-adaptive",
+            "dflash2-b8-adaptive-no-lookup",
+            "dflash2-b8-tree-16",
+            "dflash2-b8-adaptive-tree-16",
+        )
     }
+    assert engines["dflash2-b8-adaptive-tree-16"]["speculative_adaptive"] is True
+    assert engines["dflash2-b8-adaptive-tree-16"]["speculative_num_draft_tokens"] == 16
+    assert engines["dflash2-b8-adaptive-tree-16"]["prompt_lookup_max"] is None
     tree_engine = engines["dflash2-b8-tree-16"]
     assert (tree_engine["speculative_topk"], tree_engine["speculative_num_draft_tokens"]) == (4, 16)
     assert (

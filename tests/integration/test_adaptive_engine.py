@@ -48,15 +48,15 @@ def test_start_up_measures_every_width_and_the_drafter():
 def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
     """A step's drafting cost is the drafter's block and the selector's walk; the start-up table
     measures both (a selector made 20 ms slower shows in every row count's entry)."""
-    import dflash2.runner.model_runner as model_runner
+    import dflash2.runner.draft_runner as draft_runner
 
-    propose = model_runner.drafter_path
+    propose = draft_runner.drafter_path
 
     def slow_propose(*args, **kwargs):
         time.sleep(0.020)
         return propose(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "drafter_path", slow_propose)
+    monkeypatch.setattr(draft_runner, "drafter_path", slow_propose)
     adaptive, _, _ = engines()
     model = adaptive.cost_model
     assert all(model.draft[(rows, w)] >= 0.020 for rows in range(1, 5) for w in model.widths if w > 1)
@@ -106,7 +106,7 @@ def test_start_up_costs_are_timed_in_interleaved_rounds(monkeypatch):
     runner = adaptive.runner
     order: list[tuple[str, int, int]] = []
     monkeypatch.setattr(runner, "verify", lambda slots, rows, starts: order.append(("v", len(slots), len(rows[0]))))
-    monkeypatch.setattr(runner, "propose", lambda slots, *args: order.append(("d", len(slots), args[-2])))
+    monkeypatch.setattr(runner.drafting, "propose", lambda slots, *args: order.append(("d", len(slots), args[-2])))
     verify, draft = runner.measure_costs([1, 2], [1, 2, 4], repeats=3)
     assert set(verify) == {(r, w) for r in (1, 2) for w in (1, 2, 4)}
     assert set(draft) == {(r, w) for r in (1, 2) for w in (2, 4)}

@@ -49,8 +49,8 @@ def compiled_spec(target):
     threads = torch.get_num_threads()
     engine = compiled(tiny_engine(target, drafter, 8, max_num_seqs=4, enforce_eager=False, adaptive_threads=True))
     runner = engine.runner
-    assert runner.compiled and runner._draft_forward is not None
-    assert runner._context_forward is not None and runner._selects_in_draft
+    assert runner.compiled and runner.drafting.forward is not None
+    assert runner.drafting.context_forward is not None and runner.drafting.selects_in_draft
     engine.threads = None
     torch.set_num_threads(threads)  # start-up may have settled on fewer (busy cores)
     return engine
@@ -97,8 +97,8 @@ def built_graphs(engine) -> tuple[int, tuple, tuple, tuple]:
     return (
         torch._dynamo.utils.counters["stats"]["unique_graphs"],
         runner._target_forward.shape_classes,
-        runner._draft_forward.shape_classes,
-        runner._context_forward.shape_classes,
+        runner.drafting.forward.shape_classes,
+        runner.drafting.context_forward.shape_classes,
     )
 
 
@@ -165,7 +165,7 @@ def test_compiled_target_with_an_oracle_drafter(target, reference):
     overrides its forward, so it runs eagerly beside the compiled target."""
     refs = {i: PROMPTS[i] + reference[i] for i in range(len(PROMPTS))}
     engine = compiled(tiny_engine(target, oracle_drafter(target, refs, 8, 0.2), 8, max_num_seqs=4, enforce_eager=False))
-    assert engine.runner.compiled and engine.runner._draft_forward is None
+    assert engine.runner.compiled and engine.runner.drafter_compiled is False
     outputs = LLM.from_engine(engine).generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in outputs] == reference
     assert sum(c.mean_acceptance_length for c in outputs) / len(outputs) > 2.0
@@ -209,8 +209,8 @@ def test_compiled_context_append_matches_eager(target, compiled_spec):
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(2, 5, fast.drafter.fc.in_features, generator=generator)
     before = fast.draft_cache.k.clone()
-    eager.append_context([0, 2], [4, 9], features, [5, 2])
-    fast.append_context([0, 2], [4, 9], features.double(), [5, 2])  # cast to the graph's dtype, not misread
+    eager.drafting.append_context([0, 2], [4, 9], features, [5, 2])
+    fast.drafting.append_context([0, 2], [4, 9], features.double(), [5, 2])  # cast to the graph's dtype, not misread
     for cache in ("k", "v"):
         expected, got = getattr(eager.draft_cache, cache), getattr(fast.draft_cache, cache)
         torch.testing.assert_close(got[:, 0, :, 4:9], expected[:, 0, :, 4:9], atol=1e-5, rtol=1e-5)
@@ -231,22 +231,22 @@ def test_compiled_draft_matches_eager_at_every_width(target, compiled_spec):
     generator = torch.Generator().manual_seed(3)
     features = torch.randn(3, 6, fast.drafter.fc.in_features, generator=generator)
     for runner in (eager, fast):
-        runner.append_context([0, 1, 2], [0, 0, 0], features, [6, 4, 5])
+        runner.drafting.append_context([0, 1, 2], [0, 0, 0], features, [6, 4, 5])
     with torch.inference_mode():  # as the engine drafts
         for slots, starts in (([1], [4]), ([0, 1, 2], [6, 4, 5])):
             anchors = torch.randint(0, 50, (len(slots),), generator=generator)
             starts_tensor = torch.tensor(starts)
-            full = eager._draft_block(slots, anchors, starts_tensor, 8)[1]
+            full = eager.drafting.draft_block(slots, anchors, starts_tensor, 8)[1]
             for width in range(2, 9):
-                expected_hidden, expected_logits = eager._draft_block(slots, anchors, starts_tensor, width)
-                hidden, logits = fast._draft_block(slots, anchors, starts_tensor, width)
+                expected_hidden, expected_logits = eager.drafting.draft_block(slots, anchors, starts_tensor, width)
+                hidden, logits = fast.drafting.draft_block(slots, anchors, starts_tensor, width)
                 assert hidden.shape[1] == logits.shape[1] == width - 1
                 torch.testing.assert_close(hidden, expected_hidden, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
                 if width < 8:
                     assert not torch.allclose(logits, full[:, : width - 1], atol=1e-3)
     with pytest.raises(ValueError, match="draft width"):
-        fast._draft_block([0], torch.tensor([1]), torch.tensor([6]), 9)
+        fast.drafting.draft_block([0], torch.tensor([1]), torch.tensor([6]), 9)
     assert built_graphs(compiled_spec)[2] == ("rows=1", "rows=2+")  # no graph per width
 
 
@@ -256,13 +256,13 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
     one token or none padded into the scratch slot, each slot's context length moved past its tokens."""
     eager = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4).runner
     fast: ModelRunner = compiled_spec.runner
-    assert fast._selects_in_draft and not eager._selects_in_draft
+    assert fast.drafting.selects_in_draft and not eager.drafting.selects_in_draft
     assert fast.drafter_compiled and not eager.drafter_compiled
     generator = torch.Generator().manual_seed(4)
     dim = fast.drafter.fc.in_features
     earlier = torch.randn(3, 6, dim, generator=generator)
     for runner in (eager, fast):
-        runner.append_context([0, 1, 2], [0, 0, 0], earlier, [6, 5, 4])
+        runner.drafting.append_context([0, 1, 2], [0, 0, 0], earlier, [6, 5, 4])
     before = fast.draft_cache.k.clone()
     for slots, pending, lengths, starts in (([0, 1, 2], 3, [3, 1, 0], [6, 5, 4]), ([2], 1, [1], [4])):
         features = torch.randn(len(slots), pending, dim, generator=generator)
@@ -272,7 +272,7 @@ def test_compiled_draft_writes_the_pending_context(target, compiled_spec):
         with torch.inference_mode():
             for runner in (eager, fast):
                 context = PendingWrites(features, lengths, starts)
-                results.append(runner._draft_block(slots, anchors, ends, 4, context))
+                results.append(runner.drafting.draft_block(slots, anchors, ends, 4, context))
         for expected, got in zip(*results):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for cache in ("k", "v"):
@@ -293,7 +293,7 @@ def test_compiled_selector_matches_eager(compiled_spec, temperature):
     and on narrower ones (the walk is unrolled over B − 1 slots, then cut back)."""
     runner: ModelRunner = compiled_spec.runner
     drafter = runner.drafter
-    assert drafter is not None and drafter.selector_weights() is not None and runner._selects_in_draft
+    assert drafter is not None and drafter.selector_weights() is not None and runner.drafting.selects_in_draft
     generator = torch.Generator().manual_seed(1)
     for rows, width in ((1, 8), (3, 8), (1, 2), (3, 5)):
         slots = [runner.scratch_slot] * rows
@@ -301,11 +301,11 @@ def test_compiled_selector_matches_eager(compiled_spec, temperature):
         starts = torch.full((rows,), 5)
         temperatures = torch.full((rows,), temperature)
         uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
-        hidden, logits = runner._draft_block(slots, anchors, starts, width)
+        hidden, logits = runner.drafting.draft_block(slots, anchors, starts, width)
         expected = drafter_path(
             drafter, hidden, logits, anchors, temperatures, uniforms[:, : width - 1], use_selector=True
         )
-        got = runner.propose(slots, anchors, starts, temperatures, uniforms, width, None).proposal
+        got = runner.drafting.propose(slots, anchors, starts, temperatures, uniforms, width, None).proposal
         assert got.draft_ids.shape == (rows, width - 1)
         assert torch.equal(got.draft_ids, expected.draft_ids)
         assert torch.equal(got.candidate_ids, expected.candidate_ids)

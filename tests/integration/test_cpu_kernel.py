@@ -179,7 +179,7 @@ def test_compiled_runner_runs_the_kernel_and_matches_eager(kernel_backend):
         assert runner.compiled is not enforce_eager
         modules = [target, drafter.layers]
         if not enforce_eager:
-            modules += [runner._target_forward.module, runner._draft_forward.module]
+            modules += [runner._target_forward.module, runner.drafting.forward.module]
         for module in modules:
             linears = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
             assert linears and all(isinstance(m, PackedLinear) and m.backend == kernel_backend for m in linears)

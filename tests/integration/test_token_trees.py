@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
-from dflash2.config import EngineConfig
+from dflash2.config import EngineConfig, EngineSpec
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
+from dflash2.spec.adaptive import CostModel
 from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
 from tests.integration.test_engine_greedy import GREEDY, PROMPTS
@@ -170,3 +171,52 @@ def test_compiled_tree_matches_autoregressive_and_the_eager_tree():
     assert alone[0].token_ids == reference[3]
     _, eager_steps = tree_steps(LLM.from_engine(tiny_engine(target, drafter, 8, **kwargs)), PROMPTS, GREEDY)
     assert [s.num_tree_nodes for s in steps] == [s.num_tree_nodes for s in eager_steps]
+
+
+class TreeCosts(CostModel):
+    """A synthetic machine for the adaptive policy with trees: one row launch-bound (a tree of any size
+    costs what a chain costs), compute-bound beyond (verify time grows with rows × tokens verified, a
+    tree's nodes counted); timings from steps are ignored."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        widths = tuple(range(1, spec.block_size + 1))
+        super().__init__(spec.max_num_seqs, widths)
+        for rows in range(1, spec.max_num_seqs + 1):
+            load = 0.0 if rows == 1 else 0.010 * rows
+            for width in widths:
+                self.verify[(rows, width)] = 0.010 + load * width
+                self.draft[(rows, width)] = self.tree_draft[(rows, width)] = 0.001
+                self.tree_verify[(rows, width)] = 0.010 + load * (spec.tree_budget(width) + 1)
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_tree(self, *args, **kwargs) -> None:
+        pass
+
+
+def test_adaptive_policy_prices_trees_against_chains_and_no_draft(target, reference):
+    """With trees on, the adaptive policy measures tree steps at start-up and chooses per step between no
+    draft, chains and trees of every width on their own acceptance and cost. A drafter whose first-ranked
+    draft is mostly wrong and whose runner-up is right: one row (launch-bound) verifies trees, and learns
+    that trees accept far more per depth than the chain of first-ranked drafts; four rows (compute-bound)
+    stop drafting. The text is the target's own either way."""
+    refs = dict.fromkeys(range(4), PROMPTS[1] + reference[1])  # whichever slot the single row gets
+    drafter = oracle_drafter(target, refs, 8, 0.7, seed=5, runner_up=True)
+    kwargs = {"speculative_topk": 4, "speculative_num_draft_tokens": 16, "speculative_adaptive": True}
+    engine = tiny_engine(target, drafter, 8, max_num_seqs=4, prompt_lookup_max=0, **kwargs)
+    measured = engine.cost_model
+    assert all(measured.tree_verify[(rows, w)] > 0 for rows in range(1, 5) for w in range(2, 9))
+    assert all(measured.tree_draft[(rows, w)] > 0 for rows in range(1, 5) for w in range(2, 9))
+    engine.policy.cost_model = TreeCosts(engine.spec)
+    llm = LLM.from_engine(engine)
+    batch, batch_steps = tree_steps(llm, PROMPTS, GREEDY)
+    assert [c.token_ids for c in batch] == reference
+    assert all(s.verify_width == 1 and not s.num_tree_nodes for s in batch_steps if s.num_decode_rows == 4)
+    alone, steps = tree_steps(llm, PROMPTS[1:2], GREEDY)
+    assert alone[0].token_ids == reference[1]
+    assert sum(s.num_tree_nodes > 0 for s in steps) >= len(steps) - 1
+    policy = engine.policy
+    # Runner-ups accepted in trees; the chain of first-ranked drafts (the trees' spines) mostly rejected.
+    assert policy.tree_acceptance.long_run[0] > policy.acceptance.long_run[0] + 0.15
+    assert alone[0].mean_acceptance_length > 2.0

@@ -299,3 +299,24 @@ def test_width_one_keeps_its_own_start_up_time():
     model.seed({(1, 1): 0.030, (1, 2): 0.020, (1, 3): 0.019}, at_widths({1: 0.004}, model.widths))
     assert model.verify[(1, 1)] == pytest.approx(0.030)
     assert model.verify[(1, 2)] == pytest.approx(0.0195) and model.verify[(1, 3)] == pytest.approx(0.0195)
+
+
+def test_tree_costs_borrow_the_chain_factors_until_a_tree_step_is_timed():
+    """A token-tree step has its own tables (a wider verify, the lattice's drafting); until one is timed
+    live it borrows the chain's drafted factors at its row count; its own factors never feed the chain's,
+    and autoregressive steps draw them back slowly as they do the chain's."""
+    model = CostModel(max_rows=2, widths=(1, 4))
+    model.seed({(1, 1): 0.010, (1, 4): 0.012}, at_widths({1: 0.003}, model.widths))
+    model.seed_tree({(1, 4): 0.016}, {(1, 4): 0.004})
+    assert model.tree_seconds(1, 4) == pytest.approx(0.016 + 0.004)
+    assert model.tree_seconds(1, 1) == model.seconds(1, 1) == pytest.approx(0.010)
+    assert model.tree_seconds(2, 4) == pytest.approx(0.032 + 0.008)  # proportional beyond the last row count
+    model.observe(1, 4, verify_seconds=0.024, draft_seconds=0.006)  # a chain step at twice its table
+    chain = 1 + 0.1 * (2 - 1)
+    assert model.tree_seconds(1, 4) == pytest.approx((0.016 + 0.004) * chain)  # borrowed
+    model.observe_tree(1, 4, verify_seconds=0.016, draft_seconds=0.004)  # a tree step at its table
+    tree = chain + 0.1 * (1 - chain)
+    assert model.tree_seconds(1, 4) == pytest.approx((0.016 + 0.004) * tree)
+    assert model.seconds(1, 4) == pytest.approx((0.012 + 0.003) * chain)  # not lent to chains
+    model.observe(1, 1, verify_seconds=0.010, draft_seconds=0.0)
+    assert model.tree_seconds(1, 4) == pytest.approx((0.016 + 0.004) * (tree + adaptive.COST_RELAX * (1 - tree)))
