@@ -126,8 +126,14 @@ class EngineRunner:
         return info
 
     def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> GenerationSample:
-        """Generate one completion and collect the engine's step statistics."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        """Generate one completion and collect the engine's step statistics.
+
+        ``seed`` is not passed on: a request with its own seed verifies full blocks and never takes
+        prompt-lookup drafts (its text must not depend on timings; docs/engine.md "Seeded requests
+        reproduce"), which is not the engine a user without a seed gets. Sampled requests draw their
+        seeds from the engine's (``EngineConfig.seed``), so a run still reproduces request by request."""
+        del seed
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         sample = GenerationSample(num_prompt_tokens=len(prompt_ids))
         start = time.perf_counter()
         first: float | None = None

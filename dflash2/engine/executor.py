@@ -172,13 +172,17 @@ class StepExecutor:
         budget = self.spec.tree_budget(plan.width)
         limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
         trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts)
+        if plan.branches is not None:  # prompt-lookup drafts as one more branch (nodes beyond the budget)
+            room = [self.spec.max_model_len - s for s in starts]
+            trees = [t.with_branch(b, n) if b else t for t, b, n in zip(trees, plan.branches, room)]
         logits, features = runner.verify_tree(slots, trees, starts)
         no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
         processed = process_logits(logits, self._logits_context(rows), no_drafts)
         greedy = all(r.params.is_greedy for r in rows)
         probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
-        # The same count of uniforms per row on every tree step, whatever the tree's shape.
-        uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + 2)
+        # The same count of uniforms per row on every tree step, whatever the tree's shape: one per child
+        # tried (at most the budget's nodes and a lookup branch's) and one for the next token.
+        uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + self.spec.block_size + 1)
         paths, next_ids, spine = [], [], []
         for i, tree in enumerate(trees):
             n = len(tree)

@@ -55,6 +55,8 @@ class Plan:
         lookup: the prompt-lookup proposal (one-hot on the copied tokens) when ``source`` is LOOKUP.
         tree: the drafter's step verifies token trees (``dflash2/spec/tree.py``) of
             ``EngineSpec.tree_budget(width)`` nodes per row, ``num_drafts`` deep, rather than chains.
+        branches: for a tree step with prompt lookup on, each row's lookup draft (≤ its ``num_drafts``;
+            empty: none), verified as one more branch of the row's tree; None otherwise.
     """
 
     source: DraftSource
@@ -63,6 +65,7 @@ class Plan:
     predicted_tokens: float = 0.0
     lookup: Proposal | None = None
     tree: bool = False
+    branches: list[list[int]] | None = None
 
     @property
     def verify_width(self) -> int:
@@ -78,7 +81,8 @@ class SpeculationPolicy:
     With it, the step's width maximises predicted tokens per second (``choose_width``); where trees
     are on, chains and trees of every width compete on their own acceptance and cost (a tree commits
     more per step and costs more to verify: at high concurrency chains or no drafts win); and prompt
-    lookup replaces the drafter when every drafting row has a lookup draft and it predicts more. A
+    lookup replaces the drafter when every drafting row has a lookup draft and it predicts more (on a
+    tree step it does not win, the lookup drafts join each row's tree as a branch). A
     seeded request keeps the full block from the drafter (a tree where trees are on), so its text does
     not depend on timings.
 
@@ -150,12 +154,18 @@ class SpeculationPolicy:
         tree = self._choose_tree(rows, limits, choice) if trees else None
         if tree is not None:
             choice = tree
-        lookup = self._lookup_plan(rows, limits, choice)
+        drafts = self._lookup_drafts(rows, limits)
+        lookup = self._lookup_plan(rows, limits, choice, drafts) if drafts is not None else None
         if lookup is not None:
             return lookup
         source = DraftSource.DRAFTER if choice.width > 1 else DraftSource.NONE
         num_drafts = [min(n, choice.width - 1) for n in limits]
-        return Plan(source, choice.width, num_drafts, choice.predicted_tokens, tree=tree is not None)
+        if tree is None:
+            return Plan(source, choice.width, num_drafts, choice.predicted_tokens)
+        # Lookup drafts the step did not choose alone still ride along as a branch of each row's tree: no
+        # drafter forward for them, a few more nodes in the same verify.
+        branches = None if drafts is None else [d[:n] for d, n in zip(drafts, num_drafts)]
+        return Plan(source, choice.width, num_drafts, choice.predicted_tokens, tree=True, branches=branches)
 
     def num_drafts(self, rows: list[Request]) -> list[int]:
         """Drafts each row may verify: never past ``max_tokens`` or the end of its KV slot."""
@@ -192,11 +202,10 @@ class SpeculationPolicy:
             return tree
         return None
 
-    def _lookup_plan(self, rows: list[Request], limits: list[int], choice: WidthChoice) -> Plan | None:
-        """A prompt-lookup plan (``dflash2/spec/prompt_lookup.py``) when every row that may draft has a lookup
-        draft and verifying them, with no drafter forward, is predicted to commit more tokens per second
-        than ``choice``; the limits are cut to each row's lookup draft. None otherwise, when lookup is off,
-        and for a seeded row."""
+    def _lookup_drafts(self, rows: list[Request], limits: list[int]) -> list[list[int]] | None:
+        """Each row's prompt-lookup draft (``dflash2/spec/prompt_lookup.py``; at most its limit, empty where
+        nothing matches); None when lookup is off, without the adaptive policy, and for a seeded row
+        (whether its drafts win would be a timing question)."""
         if not self.spec.prompt_lookup_max or self.cost_model is None or seeded(rows):
             return None
         drafts = []
@@ -204,6 +213,15 @@ class SpeculationPolicy:
             assert request.lookup is not None
             request.lookup.sync(request.output_ids)
             drafts.append(request.lookup.propose(limit))
+        return drafts
+
+    def _lookup_plan(
+        self, rows: list[Request], limits: list[int], choice: WidthChoice, drafts: list[list[int]]
+    ) -> Plan | None:
+        """A prompt-lookup plan when every row that may draft has a lookup draft (``drafts``) and verifying
+        them, with no drafter forward, is predicted to commit more tokens per second than ``choice``; the
+        limits are cut to each row's lookup draft. None otherwise."""
+        assert self.cost_model is not None
         if not all(d for d, limit in zip(drafts, limits) if limit):
             return None
         lookup_limits = [len(d) for d in drafts]

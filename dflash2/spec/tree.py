@@ -84,6 +84,26 @@ class TokenTree:
             self._children = children
         return self._children
 
+    def with_branch(self, token_ids: list[int], max_nodes: int) -> TokenTree:
+        """This tree with the path ``token_ids`` below the root merged in (a prompt-lookup continuation):
+        the path follows existing children while their tokens match, and the rest becomes new nodes
+        after the existing ones (topological order kept; a new child is its parent's last sibling).
+        At most ``max_nodes`` nodes in all: the path is cut there."""
+        tokens, parents = list(self.token_ids), list(self.parents)
+        node, children = 0, self.children
+        for depth, token in enumerate(token_ids):
+            match = next((c for c in children[node] if tokens[c] == token), None)
+            if match is None:
+                for new in token_ids[depth:]:
+                    if len(tokens) >= max_nodes:
+                        break
+                    tokens.append(new)
+                    parents.append(node)
+                    node = len(tokens) - 1
+                break
+            node = match
+        return TokenTree(tokens, parents)
+
     def path(self, node: int) -> list[int]:
         """The nodes from the root's first child down to ``node`` (empty for the root)."""
         nodes = []

@@ -64,6 +64,17 @@ def test_transformers_greedy_matches_this_engine(tiny_folders: TinyFolders) -> N
     assert hf.num_output_tokens == ours.num_output_tokens
 
 
+def test_engine_runner_sends_unseeded_requests(tiny_folders: TinyFolders, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded request verifies full blocks without prompt lookup; the benchmark measures the engine a
+    user without a seed gets, so its requests carry none (sampling draws from the engine's seed)."""
+    runner = _engine_runner(tiny_folders, 4)
+    sent = []
+    stream = runner.llm.stream
+    monkeypatch.setattr(runner.llm, "stream", lambda prompt, params: sent.append(params) or stream(prompt, params))
+    runner.generate(_prompt(tiny_folders.model), 4, 1.0, seed=7)
+    assert [p.seed for p in sent] == [None] and sent[0].temperature == 1.0
+
+
 def test_engine_runner_counts_verify_steps_and_the_cost_split(tiny_folders: TinyFolders) -> None:
     runner = _engine_runner(tiny_folders, 4)
     sample = runner.generate(_prompt(tiny_folders.model), 12, 0.0, seed=0)

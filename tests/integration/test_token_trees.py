@@ -220,3 +220,30 @@ def test_adaptive_policy_prices_trees_against_chains_and_no_draft(target, refere
     # Runner-ups accepted in trees; the chain of first-ranked drafts (the trees' spines) mostly rejected.
     assert policy.tree_acceptance.long_run[0] > policy.acceptance.long_run[0] + 0.15
     assert alone[0].mean_acceptance_length > 2.0
+
+
+def test_prompt_lookup_drafts_ride_along_as_a_branch_of_the_tree(target, reference, monkeypatch):
+    """With prompt lookup on, a tree step that the lookup drafts did not win alone verifies them as one more
+    branch of the row's tree (no drafter forward for them): the text stays the target's own, alone and in
+    a batch, and the branches were there."""
+    branches: list[list[int]] = []
+    with_branch = TokenTree.with_branch
+
+    def counting(tree, token_ids, max_nodes):
+        branches.append(list(token_ids))
+        return with_branch(tree, token_ids, max_nodes)
+
+    monkeypatch.setattr(TokenTree, "with_branch", counting)
+    kwargs = {"speculative_topk": 4, "speculative_num_draft_tokens": 12, "speculative_adaptive": True}
+    engine = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, prompt_lookup_max=4, **kwargs)
+    costs = TreeCosts(engine.spec)
+    for key in costs.verify:  # launch-bound at every row count, trees as cheap as chains: trees keep winning
+        costs.verify[key] = costs.tree_verify[key] = 0.010
+    engine.policy.cost_model = costs
+    repeats = [p * 3 for p in PROMPTS]  # prompts that repeat themselves: lookup finds continuations
+    expected = [c.token_ids for c in LLM.from_engine(tiny_engine(target, None)).generate(repeats, GREEDY)]
+    outputs, steps = tree_steps(LLM.from_engine(engine), repeats, GREEDY)
+    assert [c.token_ids for c in outputs] == expected
+    alone, _ = tree_steps(LLM.from_engine(engine), repeats[2:3], GREEDY)
+    assert alone[0].token_ids == expected[2]
+    assert any(s.num_tree_nodes for s in steps) and branches

@@ -62,3 +62,20 @@ def test_greedy_acceptance_follows_the_argmax_branch():
     logits[0, 2] = logits[2, 4] = logits[4, 5] = 1.0  # root → 2 (node 2) → 4 (node 4) → bonus 5
     verdict = accept_tree(tree, None, logits, None)
     assert verdict.accepted_nodes == [2, 4] and verdict.next_id == 5
+
+
+def test_a_lookup_branch_merges_its_shared_prefix_and_appends_the_rest():
+    tree = TokenTree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 1])  # 9 ─┬─ 1 ─┬─ 3 ; └─ 2 (1 also has child 4)
+    merged = tree.with_branch([1, 4, 7, 8], max_nodes=10)  # shares 1 → 4, then 7, 8 are new
+    assert merged.token_ids == [9, 1, 2, 3, 4, 7, 8] and merged.parents == [-1, 0, 0, 1, 1, 4, 5]
+    assert [merged.token_ids[n] for n in merged.path(6)] == [1, 4, 7, 8]
+    assert tree.with_branch([5, 6], max_nodes=10).parents == [-1, 0, 0, 1, 1, 0, 5]  # a new first-level branch
+    assert tree.with_branch([1, 3], max_nodes=10).token_ids == tree.token_ids  # already in the tree
+    assert len(tree.with_branch([5, 6, 7], max_nodes=6)) == 6  # cut at the node limit
+    assert tree.with_branch([], max_nodes=10).token_ids == tree.token_ids
+    # A greedy row accepts along the branch where the target agrees with it.
+    logits = torch.full((7, 10), -1.0)
+    for node, target in {0: 1, 1: 4, 4: 7, 5: 8, 6: 0}.items():
+        logits[node, target] = 1.0
+    verdict = accept_tree(merged, None, logits, None)
+    assert verdict.accepted_nodes == [1, 4, 5, 6] and verdict.next_id == 0
