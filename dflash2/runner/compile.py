@@ -148,11 +148,16 @@ def compiled_mode() -> Iterator[None]:
 
 
 def mark_dynamic(
-    row_inputs: Sequence[torch.Tensor], keys: torch.Tensor | None = None, width_inputs: Sequence[torch.Tensor] = ()
+    row_inputs: Sequence[torch.Tensor],
+    keys: torch.Tensor | None = None,
+    width_inputs: Sequence[torch.Tensor] = (),
+    static: bool = False,
 ) -> None:
     """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
     for the target, the context append and the drafter's block, one for every width ≥ 2 (width 1,
-    a plain decode step, has its own)."""
+    a plain decode step, has its own). Nothing when ``static`` (CUDA graphs have static shapes)."""
+    if static:
+        return
     if keys is not None:
         torch._dynamo.maybe_mark_dynamic(keys, 0)
     if row_inputs[0].shape[0] >= 2:

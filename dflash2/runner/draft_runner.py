@@ -237,7 +237,7 @@ class DraftRunner:
         with compiled_mode():  # fresh tensors: the engine's may be inference tensors
             inputs = draft_inputs(slots, anchor_ids, starts, width, padded_rows, layout.scratch_slot, device)
             keys = torch.arange(key_length(max(max_start, 1), layout.max_model_len, layout.cuda), device=device)
-            self._mark_dynamic(inputs, keys, width_inputs=[inputs[1]])
+            mark_dynamic(inputs, keys, [inputs[1]], static=layout.cuda)
             if layout.cuda:
                 outputs = forward(*inputs, keys)
             else:
@@ -247,11 +247,11 @@ class DraftRunner:
                     features = torch.zeros(num_rows, 2, self.drafter.fc.in_features, dtype=layout.dtype)
                     context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
                 writes = self.context_inputs(slots, context, min_width=2)
-                self._mark_dynamic(writes, width_inputs=writes)
+                mark_dynamic(writes, width_inputs=writes)
                 if temperatures is None or uniforms is None:
                     temperatures, uniforms = torch.zeros(num_rows), torch.zeros(num_rows, layout.block_size - 1)
                 sampling = [graph_input(temperatures.float()), graph_input(uniforms.float())]
-                self._mark_dynamic(sampling)
+                mark_dynamic(sampling)
                 outputs = forward(*writes, *inputs, keys, *sampling)
         if context is not None:
             self.roll_context(slots, context.starts, context.lengths)
@@ -293,14 +293,5 @@ class DraftRunner:
         assert forward is not None
         with compiled_mode():
             inputs = self.context_inputs(slots, context)
-            self._mark_dynamic(inputs, width_inputs=inputs)
+            mark_dynamic(inputs, width_inputs=inputs)  # compiled on CPU only
             forward(*inputs)
-
-    def _mark_dynamic(
-        self,
-        row_inputs: Sequence[torch.Tensor],
-        keys: torch.Tensor | None = None,
-        width_inputs: Sequence[torch.Tensor] = (),
-    ) -> None:
-        if not self.layout.cuda:  # CUDA graphs have static shapes
-            mark_dynamic(row_inputs, keys, width_inputs)

@@ -241,7 +241,7 @@ class ModelRunner:
             ]
             max_end = max(s + len(row) for s, row in zip(starts, token_rows))
             keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda), device=self.device)
-            self._mark_dynamic(inputs, keys, width_inputs=inputs[:4])
+            mark_dynamic(inputs, keys, inputs[:4], static=self._cuda)
             logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
 
@@ -301,7 +301,7 @@ class ModelRunner:
             ]
             max_end = max(s + len(tree) for s, tree in zip(starts, trees))
             keys = torch.arange(key_length(max_end, self.max_model_len, False), device=self.device)
-            self._mark_dynamic(inputs, keys, width_inputs=[*inputs[:4], inputs[5]])
+            mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]])  # CPU only
             torch._dynamo.maybe_mark_dynamic(inputs[5], 2)
             return forward(*inputs, keys)
 
@@ -314,15 +314,6 @@ class ModelRunner:
             if node != depth:
                 cache.k[:, slot, :, start + depth] = cache.k[:, slot, :, start + node]
                 cache.v[:, slot, :, start + depth] = cache.v[:, slot, :, start + node]
-
-    def _mark_dynamic(
-        self,
-        row_inputs: Sequence[torch.Tensor],
-        keys: torch.Tensor | None = None,
-        width_inputs: Sequence[torch.Tensor] = (),
-    ) -> None:
-        if not self._cuda:  # CUDA graphs have static shapes
-            mark_dynamic(row_inputs, keys, width_inputs)
 
     # ---- the drafter (dflash2/runner/draft_runner.py) ----------------------------------------------
 
