@@ -75,6 +75,9 @@ class EngineConfig:
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
             oneDNN only; every forward runs eagerly (docs/engine.md, "Deterministic mode").
+        tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this
+            process and N − 1 workers, one GPU each on CUDA (``dflash2/parallel.py``,
+            ``dflash2/models/tensor_parallel.py``); 1 = one process.
     """
 
     model: str | None = None
@@ -97,6 +100,7 @@ class EngineConfig:
     speculative_topk: int = 1
     speculative_num_draft_tokens: int | None = None
     deterministic: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
@@ -116,6 +120,13 @@ class EngineConfig:
             raise ValueError("num_threads (--threads) must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError("tensor_parallel_size (--tensor-parallel-size) must be 1 … 64")
+        if self.tensor_parallel_size > 1 and self.deterministic:
+            raise ValueError(
+                "--deterministic runs in one process: its batch-invariant kernels do not cover a sum split over "
+                "ranks; drop --tensor-parallel-size or --deterministic"
+            )
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}")
 
@@ -249,7 +260,7 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len or _default_max_model_len(target, kv_bytes, config.max_num_seqs, device),
         device=device,
-        vocab_size=int(embed_weight.shape[0]),
+        vocab_size=int(getattr(target, "vocab_size", embed_weight.shape[0])),
         tree_topk=tree_topk,
         tree_nodes=tree_nodes,
     )

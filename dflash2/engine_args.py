@@ -36,6 +36,7 @@ def default_log_level() -> str:
 # Flags only an engine that decodes requests reads (training and evaluation run no engine).
 _DECODING_FLAGS = (
     "seed",
+    "tensor_parallel_size",
     "enforce_eager",
     "enable_prefix_caching",
     "speculative_adaptive",
@@ -184,6 +185,16 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         default=_DEFAULTS.deterministic,
         help="batch-invariant forwards: a seeded request gives the same text alone or in any batch, and greedy "
         "speculative output equals greedy autoregressive output, in bfloat16 too (CPU, eager; costs speed)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=_DEFAULTS.tensor_parallel_size,
+        metavar="N",
+        help="split the target over N ranks (one GPU each on CUDA; gloo processes on CPU): this process runs "
+        "the scheduler and rank 0, N - 1 workers the rest (default: 1)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -14,6 +14,8 @@ from dflash2.config import DTYPES, EngineConfig
 from dflash2.models import cpu_kernels
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.llama import TargetModel
+from dflash2.models.tensor_parallel import ShardInfo, shard_target
 from dflash2.platform import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
@@ -50,21 +52,37 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return torch.float32
 
 
-def load_models(config: EngineConfig) -> LoadedModels:
+def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedModels:
     """Resolve and load target, tokenizer and drafter as ``config`` says (and set torch's CPU threads).
 
+    With ``shard`` (rank 0 of a tensor-parallel group, :mod:`dflash2.parallel`) the target is loaded on
+    the CPU, the drafter bound to its whole embedding and LM head (on the device), and the target cut
+    to rank 0's share (:func:`dflash2.models.tensor_parallel.shard_target`) before it moves to the device.
+
     Raises:
+        ValueError: with ``shard``, a target that does not split over the ranks or is not one the project
+            decodes itself.
         dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with a message
             that says what to do.
     """
     from dflash2.models import loader, source
     from dflash2.platform import configure_threads
 
-    configure_threads(config.num_threads)
+    if shard is None:
+        configure_threads(config.num_threads)
+    else:
+        from dflash2.parallel import threads_per_rank
+
+        configure_threads(threads_per_rank(config))
     folder = source.resolve_model(config.model)
     device, dtype = config.torch_device, resolve_dtype(config)
     tokenizer = loader.load_tokenizer(folder)
-    target = loader.load_target(folder, dtype, device)
+    target = loader.load_target(folder, dtype, device if shard is None else torch.device("cpu"))
+    if shard is not None and not isinstance(target, TargetModel):
+        raise ValueError(
+            f"--tensor-parallel-size needs a target the project decodes itself, not the {type(target).__name__} "
+            "fallback"
+        )
     drafter = None
     drafter_path = resolve_drafter_path(config)
     if config.block_size != 1:
@@ -76,6 +94,12 @@ def load_models(config: EngineConfig) -> LoadedModels:
             drafter = untrained_default_drafter(target, dtype, device)
             if config.speculative_draft_vocab_size is not None:
                 drafter.limit_draft_vocab(config.speculative_draft_vocab_size)
+    if shard is not None:
+        if drafter is not None and device.type != "cpu":  # the drafter keeps the whole embedding and head
+            embed, head = target.embedding_weights()
+            embed_on_device = embed.to(device)
+            drafter.bind_target(embed_on_device, embed_on_device if head is embed else head.to(device))
+        target = shard_target(target, shard).to(device)
     name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
     return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name)
 

@@ -37,6 +37,7 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.models.layers import batch_invariant
 from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
+from dflash2.parallel import TensorParallelError, TensorParallelGroup
 from dflash2.runner import ModelRunner
 from dflash2.sampling import SamplingParams
 from dflash2.threads import ThreadGovernor
@@ -55,6 +56,8 @@ class Engine:
         drafter: a drafter bound to the target, or None (autoregressive decoding only).
         eos_token_ids: ids that end a request unless ``ignore_eos``.
         model_name: the name reported to clients.
+        tensor_parallel: rank 0's group when ``target`` is its shard of a tensor-parallel target
+            (:meth:`from_config` starts it; ``dflash2/parallel.py``); the engine closes it in :meth:`close`.
 
     Raises:
         ValueError: settings the models cannot run (``dflash2.config.resolve_spec``; deterministic mode
@@ -69,8 +72,10 @@ class Engine:
         drafter: DFlashDrafter | None,
         eos_token_ids: Sequence[int] = (),
         model_name: str = "model",
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         self.config, self.target, self.tokenizer, self.drafter = config, target, tokenizer, drafter
+        self.tensor_parallel = tensor_parallel
         self.eos_token_ids, self.model_name = tuple(eos_token_ids), model_name
         self.spec: EngineSpec = resolve_spec(config, target, drafter)
         spec = self.spec
@@ -89,6 +94,7 @@ class Engine:
             dynamic_threads=self.threads is not None,
             use_selector=config.use_selector,
             tree_nodes=spec.tree_nodes,
+            tensor_parallel=tensor_parallel,
         )
         self.scheduler = Scheduler(spec.max_num_seqs)
         self.policy = SpeculationPolicy(spec, self.runner)
@@ -112,7 +118,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        """Load target, tokenizer and drafter as ``config`` says (``dflash2.loading.load_models``).
+        """Load target, tokenizer and drafter as ``config`` says (``dflash2.loading.load_models``); with
+        ``tensor_parallel_size`` N > 1, start the N − 1 worker ranks first (:class:`TensorParallelGroup`).
 
         Raises:
             dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with
@@ -120,14 +127,42 @@ class Engine:
         """
         from dflash2.loading import load_models
 
-        m = load_models(config)
-        return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name)
+        if config.tensor_parallel_size == 1:
+            m = load_models(config)
+            return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name)
+        group = TensorParallelGroup.launch(config)
+        try:
+            m = load_models(config, shard=group.shard)
+            return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name, tensor_parallel=group)
+        except BaseException as error:
+            failure = group.failure
+            group.close()
+            if failure is not None and not isinstance(error, TensorParallelError):
+                raise TensorParallelError(failure) from error  # a collective failed because a rank had gone
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine runs no step after this."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine cannot go on (a tensor-parallel rank has exited), or None."""
+        return self.tensor_parallel.failure if self.tensor_parallel is not None else None
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(message)`` from another thread when :attr:`fatal_error` becomes set."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.add_failure_listener(listener)
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """The thread-count chooser (CPU, more than one thread, not deterministic), or None."""
         threads = torch.get_num_threads()
         config = self.config
         if not config.adaptive_threads or self.spec.device.type != "cpu" or threads < 2 or config.deterministic:
+            return None
+        if self.tensor_parallel is not None:  # the workers keep theirs: ranks must run at the same pace
             return None
         from dflash2.platform import CpuLoad
 

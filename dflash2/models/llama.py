@@ -144,6 +144,8 @@ class TargetModel(nn.Module):
     """
 
     config: Any
+    # Set by dflash2.models.tensor_parallel.shard_target on a tensor-parallel rank's share of the model.
+    shard: Any = None
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -169,8 +171,14 @@ class TargetModel(nn.Module):
         """Number of decoder layers."""
         return len(self.layers)
 
+    @property
+    def vocab_size(self) -> int:
+        """V, the rows of the embedding (of the whole model, on a tensor-parallel rank too)."""
+        return int(self.embed_tokens.num_embeddings)
+
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(embed_tokens.weight, lm_head.weight)``, each ``[V, H]``."""
+        """``(embed_tokens.weight, lm_head.weight)``, each ``[V, H]`` (a tensor-parallel rank's rows of
+        them on a sharded model, :mod:`dflash2.models.tensor_parallel`)."""
         head = self.lm_head.weight
         assert head is not None  # a packed LM head keeps its dense weight
         return self.embed_tokens.weight, head
@@ -185,7 +193,9 @@ class TargetModel(nn.Module):
             The number of layers packed.
         """
         count = prepack_linears(self.layers)
-        if isinstance(self.lm_head, nn.Linear):
+        if self.shard is not None:  # a rank's vocabulary rows, which no drafter shares
+            count += prepack_linears(self.lm_head)
+        elif isinstance(self.lm_head, nn.Linear):
             self.lm_head = PackedLinear(self.lm_head.weight, self.lm_head.bias, keep_weight=True)
             count += 1
         return count

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,7 @@ from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, batch_invariant_enabled, linear_backend, onednn_bf16
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
+from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
 from dflash2.runner.cache import (
     bucket_rows,
@@ -48,6 +49,9 @@ from dflash2.runner.compile import compiled_mode, mark_dynamic
 from dflash2.runner.costs import measure_costs
 from dflash2.runner.draft_runner import DraftRunner, SlotLayout
 from dflash2.spec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from dflash2.parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,9 @@ class ModelRunner:
         use_selector: the drafted path walks the DFlash 2 lattice (``EngineConfig.use_selector``).
         tree_nodes: drafted nodes of a token tree (``EngineConfig.speculative_num_draft_tokens``) when
             steps verify trees (``speculative_topk`` > 1), else 0; builds the tree verify graph.
+        tensor_parallel: rank 0's :class:`~dflash2.parallel.TensorParallelGroup` when ``target`` is its
+            shard of a tensor-parallel target: every target forward is sent to the other ranks first,
+            the K/V bookkeeping with the next forward (``dflash2/parallel.py``). None: one process.
 
     Attributes:
         drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context
@@ -95,8 +102,10 @@ class ModelRunner:
         dynamic_threads: bool = False,
         use_selector: bool = True,
         tree_nodes: int = 0,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         self.target, self.drafter = target, drafter
+        self.tensor_parallel = tensor_parallel
         self.tree_nodes = tree_nodes
         self.use_selector = use_selector
         self.dynamic_threads = dynamic_threads
@@ -121,6 +130,8 @@ class ModelRunner:
             cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
             self.drafting = DraftRunner(drafter, cache, layout, use_selector)
         self._cuda = self.device.type == "cuda"
+        if tensor_parallel is not None:  # the workers build theirs alongside, compiling the same graphs
+            tensor_parallel.start_runners(RunnerArgs(num_slots, max_model_len, block_size, enforce_eager, tree_nodes))
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
@@ -137,6 +148,8 @@ class ModelRunner:
         self._target_forward, self._tree_forward = forwards.get("target"), forwards.get("tree")
         if self.drafting is not None:
             self.drafting.forward, self.drafting.context_forward = forwards.get("drafter"), forwards.get("context")
+        if tensor_parallel is not None:
+            tensor_parallel.wait_ready()
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -177,6 +190,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager forward over prompts: logits ``[R, 1, V]`` at each row's last token and the
         captured features ``[R, L, F·H]`` (None without a drafter)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.run("prefill", slots, token_rows, starts)
         batch = ForwardBatch.build(slots, token_rows, starts, self.device)
         return self.target.run(batch, self.target_cache, self.capture_layer_ids, last_only=True)
 
@@ -189,6 +204,8 @@ class ModelRunner:
             logits ``[R, L, V]`` float32 (L = the longest row; padding positions hold garbage)
             and features ``[R, L, F·H]`` or None.
         """
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.run("verify", slots, token_rows, starts)
         width = max(len(row) for row in token_rows)
         if batch_invariant_enabled() and len(slots) > 1:
             # Deterministic mode: one row at a time. Batched, a row's logits were seen to differ from
@@ -261,6 +278,8 @@ class ModelRunner:
         """
         if not isinstance(self.target, TargetModel):
             raise ValueError(f"token trees need a target the project decodes itself, not {type(self.target).__name__}")
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.run("verify_tree", slots, list(trees), starts)
         width = max(len(tree) for tree in trees)
         if self._tree_forward is not None:
             logits, features = self._tree_call(slots, trees, starts)
@@ -309,6 +328,8 @@ class ModelRunner:
         """Move the accepted path's target K/V (written at ``start + node``) to ``start + 1 …`` in order;
         the caller rolls the slot back to its committed length. Nodes ascend along a path, so no copy
         reads a position an earlier copy wrote."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.defer("commit_tree", slot, start, list(accepted_nodes))
         cache = self.target_cache
         for depth, node in enumerate(accepted_nodes, start=1):
             if node != depth:
@@ -342,6 +363,8 @@ class ModelRunner:
 
     def rollback(self, slot: int, length: int) -> None:
         """Set a slot's committed target length (O(1))."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.defer("rollback", slot, length)
         self.target_cache.rollback(slot, length)
 
     @property
@@ -352,6 +375,8 @@ class ModelRunner:
     def copy_prefix(self, source: int, dest: int, length: int) -> None:
         """Copy positions ``[0, length)`` of slot ``source`` into slot ``dest``: target K/V and drafter
         context (prefix caching). ``dest`` then holds ``length`` committed tokens."""
+        if self.tensor_parallel is not None:  # the workers copy their target K/V (they hold no drafter)
+            self.tensor_parallel.defer("copy_prefix", source, dest, length)
         for cache in (self.target_cache, self.draft_cache):
             if cache is not None:
                 cache.k[:, dest, :, :length] = cache.k[:, source, :, :length]
@@ -360,9 +385,15 @@ class ModelRunner:
 
     def free(self, slot: int) -> None:
         """Forget a slot in both caches."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.defer("free", slot)
         self.target_cache.free(slot)
         if self.draft_cache is not None:
             self.draft_cache.free(slot)
+
+    def slot_lengths(self) -> list[int]:
+        """Each slot's committed target length (the scratch slot last); a worker's answer to rank 0's query."""
+        return list(self.target_cache.lengths)
 
     @property
     def kv_cache_usage(self) -> float:

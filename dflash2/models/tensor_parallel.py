@@ -1,0 +1,213 @@
+"""Megatron-style tensor parallelism of the target decoder (:class:`~dflash2.models.llama.TargetModel`).
+
+:func:`shard_target` cuts a loaded target into rank ``r``'s share of ``N`` (Shoeybi et al. 2019,
+"Megatron-LM", §3), in place:
+
+* **Attention.** Q/K/V are column-parallel: rank r keeps query heads ``[r·nh/N, (r+1)·nh/N)`` and the
+  key/value heads they read (``nkv/N`` of them, or — when there are fewer KV heads than ranks — the
+  one KV head its query heads share, replicated on ``N/nkv`` ranks). The output projection is
+  row-parallel: each rank multiplies its heads' slice, and one all-reduce sums the ranks' parts.
+* **MLP.** Gate and up are column-parallel over the intermediate size, down is row-parallel: one
+  more all-reduce. So a decoder layer costs two all-reduces of ``[R, L, H]``.
+* **Embedding and LM head.** Vocabulary-parallel: rank r holds rows ``[r·⌈V/N⌉, …)`` of each; a token
+  outside a rank's rows embeds to zeros there and an all-reduce sums the one rank that has it; the
+  LM head's logits shards are all-gathered (padded to equal shards, the padding cut off).
+* Norms and the rotary tables are replicated; each rank's KV cache holds its own KV heads.
+
+The collectives are ``torch.distributed``'s functional collectives (gloo on CPU, NCCL on CUDA), which
+``torch.compile`` traces into the runner's graphs. Every rank must run the same forwards in the same
+order: the runner's :class:`~dflash2.parallel.TensorParallelGroup` sees to that.
+
+Dimension letters: R rows, L positions per row, H hidden size, V vocab (Vₗ a rank's share), N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.models.llama import TargetModel
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a sharded target sits: ``rank`` of ``world_size``, and the process group its collectives use."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+
+def check_shardable(config: Any, world_size: int) -> None:
+    """Raise ``ValueError`` unless a target of this Hugging Face ``config`` splits over ``world_size`` ranks.
+
+    Query heads and the intermediate size must divide evenly; KV heads must divide evenly, or the ranks
+    must be a multiple of them (each KV head then replicated).
+    """
+    if world_size < 1:
+        raise ValueError("--tensor-parallel-size must be at least 1")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % world_size:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % world_size and world_size % kv_heads:
+        problems.append(f"{kv_heads} key/value heads (neither divisible by it nor dividing it)")
+    if config.intermediate_size % world_size:
+        problems.append(f"an intermediate size of {config.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"--tensor-parallel-size {world_size} cannot split this model ({config.model_type}): it has "
+            f"{', '.join(problems)}; choose a size that divides them"
+        )
+
+
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over the group's ranks (a functional collective: traceable by ``torch.compile``)."""
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.wait_tensor(collectives.all_reduce(x, "sum", group))
+
+
+def all_gather_last(x: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """``x [..., D]`` of every rank concatenated in rank order along the last dimension: ``[..., N·D]``."""
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.wait_tensor(collectives.all_gather_single(x.contiguous(), x.dim() - 1, group))
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over the ranks: each rank multiplies its slice and
+    the partial outputs are summed with one all-reduce. The bias (if any) is added on rank 0 only."""
+
+    def __init__(self, linear: nn.Module, shard: ShardInfo) -> None:
+        super().__init__()
+        self.linear = linear
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.linear(x), self.shard.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, start + Vₗ)`` of an embedding table; ids elsewhere embed to zeros on this rank and
+    an all-reduce sums the rank that holds them.
+
+    Attributes:
+        num_embeddings: the full vocabulary V; weight: this rank's ``[Vₗ, H]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, start: int, num_embeddings: int, shard: ShardInfo) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.num_embeddings, self.shard = start, num_embeddings, shard
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        embedded = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return all_reduce(embedded * inside[..., None].to(embedded.dtype), self.shard.group)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head over this rank's vocabulary rows, its logits all-gathered: ``[..., H]`` → ``[..., V]``.
+
+    Every rank holds ``⌈V/N⌉`` rows (the last one's padded with zeros), so the gathered logits have
+    ``N·⌈V/N⌉`` columns; the padding is cut off.
+    """
+
+    def __init__(self, linear: nn.Module, vocab_size: int, shard: ShardInfo) -> None:
+        super().__init__()
+        self.linear = linear
+        self.vocab_size, self.shard = vocab_size, shard
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """This rank's ``[⌈V/N⌉, H]`` rows (what ``nn.Linear.weight`` would be)."""
+        return getattr(self.linear, "weight", None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last(self.linear(hidden), self.shard.group, self.shard.world_size)
+        return logits[..., : self.vocab_size]
+
+
+def _rows(weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A copy of rows ``[start, stop)`` of ``weight`` (own storage, so the full tensor can be freed)."""
+    return weight[start:stop].detach().clone()
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding exactly ``weight [out, in]`` and ``bias [out]`` (no fresh initialisation)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def _column(layer: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """Output features ``[start, stop)`` of ``layer`` (column-parallel)."""
+    bias = _rows(layer.bias, start, stop) if layer.bias is not None else None
+    return _linear(_rows(layer.weight, start, stop), bias)
+
+
+def _row(layer: nn.Linear, start: int, stop: int, shard: ShardInfo) -> RowParallelLinear:
+    """Input features ``[start, stop)`` of ``layer``, its outputs summed over the ranks (row-parallel)."""
+    weight = layer.weight[:, start:stop].detach().clone()
+    bias = layer.bias.detach().clone() if layer.bias is not None and shard.rank == 0 else None
+    return RowParallelLinear(_linear(weight, bias), shard)
+
+
+def _vocab_rows(weight: torch.Tensor, shard: ShardInfo) -> tuple[torch.Tensor, int]:
+    """This rank's ``⌈V/N⌉`` rows of a ``[V, H]`` table (zero rows past V) and the first row's index."""
+    vocab = weight.shape[0]
+    per_rank = -(-vocab // shard.world_size)
+    start = shard.rank * per_rank
+    rows = weight[start : start + per_rank].detach().clone()
+    if rows.shape[0] < per_rank:
+        rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], rows.shape[1])])
+    return rows, start
+
+
+def shard_target(target: TargetModel, shard: ShardInfo) -> TargetModel:
+    """Cut ``target`` (dense, unpacked, unfused: as :func:`dflash2.models.loader.load_target` returns it)
+    into rank ``shard.rank``'s part, in place; see the module docstring for the layout.
+
+    Every tensor the shard keeps is a copy, so the full weights are freed once nothing else holds them
+    (the drafter on rank 0 keeps the full embedding and LM head it is bound to). Returns ``target``.
+
+    Raises:
+        ValueError: the model does not split over ``shard.world_size`` ranks (:func:`check_shardable`).
+    """
+    config, rank, world = target.config, shard.rank, shard.world_size
+    check_shardable(config, world)
+    d = target.head_dim
+    for layer in target.decoder_layers():
+        attn = layer.self_attn
+        heads = attn.num_heads // world
+        if attn.num_kv_heads >= world:
+            kv_heads, kv_first = attn.num_kv_heads // world, rank * (attn.num_kv_heads // world)
+        else:  # fewer KV heads than ranks: this rank's query heads all read one replicated KV head
+            kv_heads, kv_first = 1, rank // (world // attn.num_kv_heads)
+        attn.q_proj = _column(attn.q_proj, rank * heads * d, (rank + 1) * heads * d)
+        attn.k_proj = _column(attn.k_proj, kv_first * d, (kv_first + kv_heads) * d)
+        attn.v_proj = _column(attn.v_proj, kv_first * d, (kv_first + kv_heads) * d)
+        attn.o_proj = _row(attn.o_proj, rank * heads * d, (rank + 1) * heads * d, shard)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        attn.qkv_sizes = [heads * d, kv_heads * d, kv_heads * d]
+        mlp = layer.mlp
+        size = mlp.gate_proj.out_features // world
+        mlp.gate_proj = _column(mlp.gate_proj, rank * size, (rank + 1) * size)
+        mlp.up_proj = _column(mlp.up_proj, rank * size, (rank + 1) * size)
+        mlp.down_proj = _row(mlp.down_proj, rank * size, (rank + 1) * size, shard)
+    vocab = target.embed_tokens.weight.shape[0]
+    tied = target.lm_head.weight is target.embed_tokens.weight
+    embed_rows, start = _vocab_rows(target.embed_tokens.weight, shard)
+    target.embed_tokens = VocabParallelEmbedding(embed_rows, start, vocab, shard)
+    head_rows = embed_rows if tied else _vocab_rows(target.lm_head.weight, shard)[0]
+    target.lm_head = VocabParallelHead(_linear(head_rows, None), vocab, shard)
+    target.shard = shard
+    return target
