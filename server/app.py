@@ -127,7 +127,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn that drains on the first SIGTERM / SIGINT instead of stopping at once.
 
     A second signal stops at once (uvicorn's own handling). The server also stops when the engine
-    failed to load, so ``serve`` can report it.
+    failed to load or stopped for good (a tensor-parallel rank exited), so ``serve`` can report it.
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
@@ -144,14 +144,14 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        """Stop once the drain is done or timed out, or the engine failed to load."""
+        """Stop once the drain is done or timed out, or the engine failed to load or stopped for good."""
         if self.drain_deadline is not None and not self.should_exit:
             is_drained = self.state.admission.num_in_flight == 0
             if is_drained or time.monotonic() >= self.drain_deadline:
                 if not is_drained:
                     logger.warning("drain timeout: %d requests still running", self.state.admission.num_in_flight)
                 self.should_exit = True
-        if self.state.client.load_error is not None:
+        if self.state.client.load_error is not None or self.state.client.fatal_error is not None:
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -175,5 +175,8 @@ def serve(settings: ServerSettings) -> int:
     DrainingServer(config, app.state.server).run()
     if client.load_error is not None:
         print(f"dflash2: error: could not load the model: {client.load_error}", file=sys.stderr)
+        return 1
+    if client.fatal_error is not None:
+        print(f"dflash2: error: the engine stopped: {client.fatal_error}", file=sys.stderr)
         return 1
     return 0

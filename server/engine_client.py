@@ -118,6 +118,7 @@ class EngineClient:
     def __init__(self, load_engine: Callable[[], Engine]) -> None:
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
+        self.fatal_error: str | None = None  # why a loaded engine stopped for good (a tensor-parallel rank exited)
         self.observer: EngineObserver | None = None
         self._load_engine = load_engine
         self._wakeup = threading.Condition()
@@ -163,6 +164,8 @@ class EngineClient:
             self._wakeup.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, _JOIN_TIMEOUT_SECONDS)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)  # stops tensor-parallel workers, if any
         error = ServiceUnavailableError("the server is shutting down")
         for group, index in list(self._routes.values()):
             group.fail(index, error)
@@ -217,15 +220,25 @@ class EngineClient:
             self._call_soon(_settle, self._loaded, None, exc)
             return
         self.engine = engine
+        engine.add_failure_listener(self._on_fatal)
         self._call_soon(_settle, self._loaded, engine, None)
         while self._wait_for_work(engine):
             self._step(engine)
+        if self.fatal_error is not None:
+            logger.error("the engine stopped: %s", self.fatal_error)
+            self._call_soon(self._fail, None, EngineError(f"the engine stopped: {self.fatal_error}"))
+
+    def _on_fatal(self, message: str) -> None:
+        """The engine cannot go on (called from another thread): the engine thread ends, the server stops."""
+        with self._wakeup:
+            self.fatal_error = message
+            self._wakeup.notify_all()
 
     def _wait_for_work(self, engine: Engine) -> bool:
         with self._wakeup:
-            while not self._is_stopping and not engine.has_unfinished_requests():
+            while not self._is_stopping and self.fatal_error is None and not engine.has_unfinished_requests():
                 self._wakeup.wait()
-            return not self._is_stopping
+            return not self._is_stopping and self.fatal_error is None
 
     def _step(self, engine: Engine) -> None:
         started = time.monotonic()

@@ -184,7 +184,8 @@ async def detokenize(body: DetokenizeRequest, serving: Serving) -> DetokenizeRes
 @public.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def health(state: State) -> JSONResponse:
     """Liveness: the engine thread is running (also while the model loads)."""
-    is_alive = state.client.is_alive and state.client.load_error is None
+    client = state.client
+    is_alive = client.is_alive and client.load_error is None and client.fatal_error is None
     return JSONResponse({"status": "ok" if is_alive else "dead"}, status_code=200 if is_alive else 503)
 
 

@@ -297,6 +297,7 @@ class Engine:
         try:
             result = forward(requests)
         except Exception as error:
+            self._raise_if_fatal(error)
             if len(requests) == 1:
                 return [self._fail(requests[0], error)]
             logger.warning("a step over %d requests failed (%s); running each alone", len(requests), error)
@@ -307,11 +308,19 @@ class Engine:
                 try:
                     alone = forward([request])
                 except Exception as request_error:
+                    self._raise_if_fatal(request_error)
                     outputs.append(self._fail(request, request_error))
                     continue
                 outputs += commit([request], alone, stats)
             return outputs
         return commit(requests, result, stats)
+
+    def _raise_if_fatal(self, error: Exception) -> None:
+        """Re-raise an error that ends the engine, not one request: a tensor-parallel rank has failed."""
+        if isinstance(error, TensorParallelError):
+            raise error
+        if self.fatal_error is not None:  # a collective saw the dead rank before this step's message did
+            raise TensorParallelError(self.fatal_error) from error
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         """End one request with an engine error (its slot is released at the end of the step)."""

@@ -3,12 +3,13 @@
 :func:`shard_target` cuts a loaded target into rank ``r``'s share of ``N`` (Shoeybi et al. 2019,
 "Megatron-LM", §3), in place:
 
-* **Attention.** Q/K/V are column-parallel: rank r keeps query heads ``[r·nh/N, (r+1)·nh/N)`` and the
-  key/value heads they read (``nkv/N`` of them, or — when there are fewer KV heads than ranks — the
-  one KV head its query heads share, replicated on ``N/nkv`` ranks). The output projection is
-  row-parallel: each rank multiplies its heads' slice, and one all-reduce sums the ranks' parts.
-* **MLP.** Gate and up are column-parallel over the intermediate size, down is row-parallel: one
-  more all-reduce. So a decoder layer costs two all-reduces of ``[R, L, H]``.
+* **Attention.** Q/K/V are column-parallel by key/value group: rank r keeps a contiguous run of KV
+  heads and the query heads that read them. With at least as many KV heads as ranks the KV heads are
+  split as evenly as they go (SmolLM2's 3 over 2 ranks: 2 and 1, so 6 and 3 query heads); with fewer,
+  each KV head is replicated on ``N/nkv`` ranks, which split its group's query heads. The output
+  projection is row-parallel: each rank multiplies its heads' slice, and one all-reduce sums the parts.
+* **MLP.** Gate and up are column-parallel over the intermediate size (split as evenly as it goes),
+  down is row-parallel: one more all-reduce. So a decoder layer costs two all-reduces of ``[R, L, H]``.
 * **Embedding and LM head.** Vocabulary-parallel: rank r holds rows ``[r·⌈V/N⌉, …)`` of each; a token
   outside a rank's rows embeds to zeros there and an all-reduce sums the one rank that has it; the
   LM head's logits shards are all-gathered (padded to equal shards, the padding cut off).
@@ -43,26 +44,38 @@ class ShardInfo:
 
 
 def check_shardable(config: Any, world_size: int) -> None:
-    """Raise ``ValueError`` unless a target of this Hugging Face ``config`` splits over ``world_size`` ranks.
-
-    Query heads and the intermediate size must divide evenly; KV heads must divide evenly, or the ranks
-    must be a multiple of them (each KV head then replicated).
-    """
+    """Raise ``ValueError`` unless a target of this Hugging Face ``config`` splits over ``world_size`` ranks:
+    at least as many KV heads as ranks, or a number of ranks that is a multiple of the KV heads whose
+    query groups leave every rank a query head."""
     if world_size < 1:
         raise ValueError("--tensor-parallel-size must be at least 1")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    problems = []
-    if heads % world_size:
-        problems.append(f"{heads} attention heads")
-    if kv_heads % world_size and world_size % kv_heads:
-        problems.append(f"{kv_heads} key/value heads (neither divisible by it nor dividing it)")
-    if config.intermediate_size % world_size:
-        problems.append(f"an intermediate size of {config.intermediate_size}")
-    if problems:
+    if kv_heads < world_size and (world_size % kv_heads or heads // kv_heads < world_size // kv_heads):
         raise ValueError(
-            f"--tensor-parallel-size {world_size} cannot split this model ({config.model_type}): it has "
-            f"{', '.join(problems)}; choose a size that divides them"
+            f"--tensor-parallel-size {world_size} cannot split this model ({config.model_type}): it has {kv_heads} "
+            f"key/value heads and {heads} query heads; with fewer key/value heads than ranks the ranks must be a "
+            "multiple of the key/value heads and at most the query heads"
         )
+
+
+def split(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``[start, stop)`` of ``size`` items split over ``world_size`` ranks as evenly as they go
+    (the first ``size mod N`` ranks take one more)."""
+    base, extra = divmod(size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def head_split(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int, int, int]:
+    """``(first query head, query heads, first KV head, KV heads)`` of rank ``rank`` (module docstring)."""
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if num_kv_heads >= world_size:
+        kv_start, kv_stop = split(num_kv_heads, world_size, rank)
+        return kv_start * group, (kv_stop - kv_start) * group, kv_start, kv_stop - kv_start
+    sharing = world_size // num_kv_heads  # ranks per KV head
+    kv_head = rank // sharing
+    start, stop = split(group, sharing, rank % sharing)
+    return kv_head * group + start, stop - start, kv_head, 1
 
 
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -187,22 +200,18 @@ def shard_target(target: TargetModel, shard: ShardInfo) -> TargetModel:
     d = target.head_dim
     for layer in target.decoder_layers():
         attn = layer.self_attn
-        heads = attn.num_heads // world
-        if attn.num_kv_heads >= world:
-            kv_heads, kv_first = attn.num_kv_heads // world, rank * (attn.num_kv_heads // world)
-        else:  # fewer KV heads than ranks: this rank's query heads all read one replicated KV head
-            kv_heads, kv_first = 1, rank // (world // attn.num_kv_heads)
-        attn.q_proj = _column(attn.q_proj, rank * heads * d, (rank + 1) * heads * d)
+        first, heads, kv_first, kv_heads = head_split(attn.num_heads, attn.num_kv_heads, world, rank)
+        attn.q_proj = _column(attn.q_proj, first * d, (first + heads) * d)
         attn.k_proj = _column(attn.k_proj, kv_first * d, (kv_first + kv_heads) * d)
         attn.v_proj = _column(attn.v_proj, kv_first * d, (kv_first + kv_heads) * d)
-        attn.o_proj = _row(attn.o_proj, rank * heads * d, (rank + 1) * heads * d, shard)
+        attn.o_proj = _row(attn.o_proj, first * d, (first + heads) * d, shard)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.qkv_sizes = [heads * d, kv_heads * d, kv_heads * d]
         mlp = layer.mlp
-        size = mlp.gate_proj.out_features // world
-        mlp.gate_proj = _column(mlp.gate_proj, rank * size, (rank + 1) * size)
-        mlp.up_proj = _column(mlp.up_proj, rank * size, (rank + 1) * size)
-        mlp.down_proj = _row(mlp.down_proj, rank * size, (rank + 1) * size, shard)
+        start, stop = split(mlp.gate_proj.out_features, world, rank)
+        mlp.gate_proj = _column(mlp.gate_proj, start, stop)
+        mlp.up_proj = _column(mlp.up_proj, start, stop)
+        mlp.down_proj = _row(mlp.down_proj, start, stop, shard)
     vocab = target.embed_tokens.weight.shape[0]
     tied = target.lm_head.weight is target.embed_tokens.weight
     embed_rows, start = _vocab_rows(target.embed_tokens.weight, shard)

@@ -89,6 +89,21 @@ class FakeEngine:
     def kv_cache_usage(self) -> float:
         return len(self.scheduler.running) / self.scheduler.max_num_seqs
 
+    fatal_error: str | None = None
+    closed = False
+
+    def add_failure_listener(self, listener) -> None:
+        self.failure_listeners = [*getattr(self, "failure_listeners", []), listener]
+
+    def fail_for_good(self, message: str) -> None:
+        """What a tensor-parallel engine does when a worker rank exits: tell the listeners."""
+        self.fatal_error = message
+        for listener in getattr(self, "failure_listeners", []):
+            listener(message)
+
+    def close(self) -> None:
+        self.closed = True
+
     def running_request_ids(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
 

@@ -307,6 +307,28 @@ async def test_a_model_that_fails_to_load_is_reported():
             assert (await client.get("/health/ready")).json()["status"] == "failed"
 
 
+async def test_an_engine_that_stops_for_good_fails_health_and_requests():
+    # A tensor-parallel engine whose worker rank exited: the engine thread ends, /health turns 503, the
+    # request in flight gets an error naming the rank, and the engine is closed at shutdown.
+    engine = FakeEngine(max_model_len=4096, step_delay=0.05)
+    app = create_app(EngineClient(lambda: engine), ServerSettings())
+    state = app.state.server
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            await wait_for(lambda: state.serving is not None)
+            pending = asyncio.create_task(client.post(CHAT, json=chat_body(max_tokens=40)))
+            await wait_for(lambda: engine.num_steps > 0)
+            engine.fail_for_good("tensor-parallel worker rank 1 (pid 123) was killed by signal 9")
+            response = await pending
+            assert response.status_code == 500 and "rank 1" in response.json()["error"]["message"]
+            await wait_for(lambda: not state.client.is_alive)
+            assert (await client.get("/health")).status_code == 503
+            assert (await client.get("/health/ready")).json()["status"] == "failed"
+            assert "rank 1" in state.client.fatal_error
+    assert engine.closed
+
+
 LONE_SURROGATE = b'"a\\ud800b"'  # a JSON escape Python's json module decodes into a lone surrogate
 
 

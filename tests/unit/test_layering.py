@@ -29,6 +29,8 @@ FORBIDDEN = {
     ),
     "dflash2/spec": ("dflash2.engine", "dflash2.runner", "dflash2.config", *ABOVE_THE_ENGINE),
     "dflash2/runner": ("dflash2.engine", *ABOVE_THE_ENGINE),
+    # Tensor parallelism's processes run the runner on the models, below the engine.
+    "dflash2/parallel.py": ("dflash2.engine", *ABOVE_THE_ENGINE),
     "dflash2/engine": ABOVE_THE_ENGINE,
     "dflash2/config.py": ("dflash2.models", "dflash2.engine", "dflash2.runner", *ABOVE_THE_ENGINE),
     "dflash2/outputs.py": ("dflash2.engine", "dflash2.runner", "dflash2.models", *ABOVE_THE_ENGINE),
