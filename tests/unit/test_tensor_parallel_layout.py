@@ -3,6 +3,7 @@ tests/integration/test_tensor_parallel.py runs the ranks)."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from dflash2.models.tensor_parallel import check_shardable, head_split, split
 def test_split_covers_every_item_once_as_evenly_as_it_goes(size, world):
     parts = [split(size, world, rank) for rank in range(world)]
     assert parts[0][0] == 0 and parts[-1][1] == size
-    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
     lengths = [stop - start for start, stop in parts]
     assert max(lengths) - min(lengths) <= 1
 
