@@ -290,6 +290,7 @@ def _bench(args: argparse.Namespace) -> int:
         adaptive_rows=args.adaptive_rows,
         tree_nodes=tuple(args.tree_nodes),
         tree_topk=args.tree_topk,
+        tensor_parallel_rows=tuple(args.tp_rows),
         startup=args.startup,
         gguf=args.gguf,
         single_stream=args.single_stream,
@@ -373,6 +374,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.tree_topk,
         help="branching per depth of the tree rows (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tp-rows",
+        type=int,
+        nargs="*",
+        default=list(d.tensor_parallel_rows),
+        metavar="N",
+        help="also measure the autoregressive row and each dflash2 default (adaptive) row with the target split "
+        "over N ranks (rows ar-tpN, dflash2-b8-adaptive-tpN; on CPU the ranks share the --threads cores)",
     )
     parser.add_argument(
         "--startup",

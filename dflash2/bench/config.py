@@ -49,6 +49,8 @@ class MethodSpec:
         tree_topk, tree_nodes: the ``-tree-N`` rows: token trees of ``tree_topk`` branches per depth and
             N nodes verified per row, anchor included (``--speculative-topk``,
             ``--speculative-num-draft-tokens``; ``dflash2/spec/tree.py``); 1 and 0 for chains.
+        tensor_parallel_size: engine methods: ranks the target is split over (the ``-tpN`` rows;
+            ``dflash2/parallel.py``); 0 = the run's ``--tensor-parallel-size``.
     """
 
     id: str
@@ -62,6 +64,7 @@ class MethodSpec:
     prompt_lookup: bool = False
     tree_topk: int = 1
     tree_nodes: int = 0
+    tensor_parallel_size: int = 0
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -71,7 +74,8 @@ class MethodSpec:
     @property
     def label(self) -> str:
         """Human-readable name for tables and plots."""
-        return self._base_label + (", eager" if self.enforce_eager else "")
+        ranks = f", TP {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
+        return self._base_label + ranks + (", eager" if self.enforce_eager else "")
 
     @property
     def _base_label(self) -> str:
@@ -124,6 +128,9 @@ class BenchConfig:
             the engine's default with trees on (rows ``dflash2-b8-adaptive-tree-16``: the policy chooses
             no draft, chain or tree per step); empty: none.
         tree_topk: the branching of those trees (``--speculative-topk``).
+        tensor_parallel_rows: for each N, the autoregressive row and each dflash2 method's default (adaptive)
+            row again with the target split over N ranks (rows ``ar-tp2``, ``dflash2-b8-adaptive-tp2``;
+            ``dflash2/parallel.py``); every other engine row runs at the run's ``--tensor-parallel-size``.
         startup: measure the speculative engine's start-up to ready, with an empty and with a
             warm compile cache (in a temporary cache folder).
         single_stream: run the single-stream benchmark.
@@ -160,6 +167,7 @@ class BenchConfig:
     adaptive_rows: bool = True
     tree_nodes: tuple[int, ...] = (16,)
     tree_topk: int = 4
+    tensor_parallel_rows: tuple[int, ...] = ()
     startup: bool = True
     gguf: Path | None = None
     single_stream: bool = True
@@ -193,6 +201,7 @@ class BenchConfig:
             (self.prompt_lookup_tokens >= 1, "prompt_lookup_tokens must be at least 1"),
             (all(2 <= n <= 256 for n in self.tree_nodes), "tree node budgets must be in [2, 256]"),
             (2 <= self.tree_topk <= 16, "tree_topk must be in [2, 16]"),
+            (all(2 <= n <= 64 for n in self.tensor_parallel_rows), "tensor-parallel rows must be in [2, 64] ranks"),
             (all(c >= 1 for c in self.concurrency) and bool(self.concurrency), "concurrency levels must be >= 1"),
             (self.serving_requests >= 1, "serving_requests must be at least 1"),
             (self.serving_seconds > 0, "serving_seconds must be positive"),
@@ -245,6 +254,13 @@ class BenchConfig:
                                     tree_nodes=n,
                                 )
                             )
+        for ranks in self.tensor_parallel_rows:  # the baseline and the default, split over the ranks
+            defaults = [s for s in engine_specs if s.family == AR or (s.adaptive and s.tree_topk == 1)]
+            engine_specs += [
+                replace(s, id=f"{s.id}-tp{ranks}", tensor_parallel_size=ranks)
+                for s in defaults
+                if not s.id.endswith("-no-lookup")
+            ]
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:
@@ -252,7 +268,7 @@ class BenchConfig:
                 continue
             specs.append(spec)
             # The full-block chain row already shows compilation's gain.
-            if self.eager_rows and not spec.adaptive and spec.tree_topk == 1:
+            if self.eager_rows and not spec.adaptive and spec.tree_topk == 1 and not spec.tensor_parallel_size:
                 specs.append(replace(spec, id=f"{spec.id}-eager", enforce_eager=True))
         if HF in self.methods:
             specs.append(MethodSpec(HF, HF, TRANSFORMERS))
@@ -277,6 +293,7 @@ class BenchConfig:
         prompt_lookup: bool = True,
         tree_topk: int = 1,
         tree_nodes: int = 0,
+        tensor_parallel_size: int = 0,
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
         run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
@@ -284,7 +301,8 @@ class BenchConfig:
         rows); the serving benchmark's speculative server runs the adaptive policy unless the
         run says ``--no-speculative-adaptive``. Prompt lookup follows the run's flags where the
         policy runs and ``prompt_lookup`` holds, and is off otherwise. ``tree_topk`` > 1 verifies token
-        trees of ``tree_nodes`` nodes (anchor included) instead of chains."""
+        trees of ``tree_nodes`` nodes (anchor included) instead of chains. ``tensor_parallel_size`` splits
+        the target over that many ranks (0: the run's ``--tensor-parallel-size``)."""
         e = self.engine
         lookup = speculative_adaptive and prompt_lookup and block_size > 1
         return EngineConfig(
@@ -307,4 +325,5 @@ class BenchConfig:
             prompt_lookup_min=e.prompt_lookup_min if lookup else None,
             deterministic=e.deterministic,
             adaptive_threads=e.adaptive_threads,
+            tensor_parallel_size=tensor_parallel_size or e.tensor_parallel_size,
         )

@@ -125,6 +125,8 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
                 command += [flag, str(value)]
     if e.deterministic:
         command.append("--deterministic")
+    if e.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
     command.append("--adaptive-threads" if e.adaptive_threads else "--no-adaptive-threads")
     return command
 

@@ -96,6 +96,7 @@ def worker_spec(
                 prompt_lookup=method.prompt_lookup,
                 tree_topk=method.tree_topk,
                 tree_nodes=method.tree_nodes,
+                tensor_parallel_size=method.tensor_parallel_size,
             ).to_dict(),
         }
     if method.runner == TRANSFORMERS:

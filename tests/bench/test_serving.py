@@ -418,3 +418,21 @@ def test_the_report_says_when_serving_figures_are_medians_over_rounds() -> None:
     assert "3 rounds per level" in markdown and "| ar | 1 | 1 | 0 | 5.0 |" in markdown
     results["config"]["serving_rounds"] = 1
     assert "rounds per level" not in render_markdown(results)
+
+
+def test_tensor_parallel_rows_split_the_baseline_and_the_default() -> None:
+    config = BenchConfig(methods=("ar", "dflash2"), block_sizes=(8,), tree_nodes=(), tensor_parallel_rows=(2,))
+    specs = {s.id: s for s in config.method_specs()}
+    assert [i for i in specs if i.endswith("-tp2")] == ["ar-tp2", "dflash2-b8-adaptive-tp2"]
+    assert specs["ar-tp2"].label == "dflash2 engine, autoregressive (B=1), TP 2"
+    workload = types.SimpleNamespace(folder=Path("unused"))
+    engines = {i: worker_spec(config, specs[i], workload, [], None)["engine"] for i in specs}  # type: ignore[arg-type]
+    assert engines["ar-tp2"]["tensor_parallel_size"] == 2 and engines["ar"]["tensor_parallel_size"] == 1
+    assert engines["dflash2-b8-adaptive-tp2"]["speculative_adaptive"] is True
+    # The run's own --tensor-parallel-size reaches every engine row and the servers.
+    split = BenchConfig(methods=("ar",), engine=EngineConfig(tensor_parallel_size=2))
+    assert split.engine_config(1, True).tensor_parallel_size == 2
+    server = serving.serve_command(split, serving.ServerSpec("ar"), 8000)
+    assert server[server.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(ValueError, match="tensor-parallel rows"):
+        BenchConfig(tensor_parallel_rows=(1,))
