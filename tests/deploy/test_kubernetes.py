@@ -187,3 +187,21 @@ def test_hpa_scales_the_deployment_on_the_adapter_metric():
     assert rule["name"]["as"] == name
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
     assert "<<.Series>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def test_tensor_parallel_example_asks_for_one_gpu_per_rank():
+    """deploy/kubernetes/tensor-parallel/: one pod, N GPUs, the server's --tensor-parallel-size N, a
+    memory-backed /dev/shm for NCCL; it validates and keeps the pod labels the Service selects."""
+    (doc,) = load_yaml(KUBERNETES_DIR / "tensor-parallel" / "deployment.yaml")
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+    pod = doc["spec"]["template"]["spec"]
+    (tp_container,) = pod["containers"]
+    settings = serve_settings([*ENTRYPOINT[1:], *tp_container["args"]])
+    ranks = settings.engine.tensor_parallel_size
+    assert ranks > 1 and tp_container["resources"]["limits"]["nvidia.com/gpu"] == ranks
+    assert doc["spec"]["template"]["metadata"]["labels"] == pod_labels()
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in tp_container["volumeMounts"]
+    assert {m["mountPath"] for m in tp_container["volumeMounts"]} >= {CACHE_DIR}
