@@ -10,6 +10,10 @@ Runs with the machine's preinstalled torch and no downloads, in a few minutes on
    verify of 8 and 16 tokens, and the 5-layer DFlash 2 drafter's block of 8; then the projected
    speedup of DFlash 2 over autoregressive decoding at τ = 4.8.
 4. Token-tree verify of 8, 16, 32 and 64 nodes beside the chain of 8 (eager and compiled).
+5. Tensor parallelism: whether NCCL TP can run here (two GPUs or more); if so, 2 ranks (one process
+   per GPU) time a bfloat16 verify of 8 tokens on their shards, eager and compiled, and the all-reduces
+   and the logits' all-gather of that step alone: the collectives' share of a TP step. On a CPU dry run
+   the same with gloo.
 
 Usage (from the repository root)::
 
@@ -190,6 +194,84 @@ def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, floa
     return result
 
 
+TP_RANKS = 2
+
+
+def tp_rank(rank: int, port: int, config: Any, device_type: str, results: Any) -> None:
+    """One rank of the TP timing: a bfloat16 target built from the same seed on every rank, cut to this
+    rank's shard; both ranks run the same calls in the same order (no rank-0 messages needed)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as collectives
+
+    from dflash2.models.tensor_parallel import ShardInfo, shard_target
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, TP_RANKS, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=TP_RANKS)
+    shard = ShardInfo(rank, TP_RANKS, dist.group.WORLD)
+    out: dict[str, float] = {}
+    context = 1024
+    for mode in ("eager", "compiled"):
+        target = shard_target(random_target(config, torch.bfloat16, torch.device("cpu")), shard).to(device)
+        runner = ModelRunner(target, None, 1, 2048, 8, enforce_eager=mode == "eager")
+        runner.prefill([0], [list(range(context))], [0])
+        with torch.inference_mode():
+            out[mode] = timed(lambda runner=runner: runner.verify([0], [[5] * 8], [context]), device)
+        del runner, target
+    hidden = torch.randn(1, 8, config.hidden_size, dtype=torch.bfloat16, device=device)
+    logits = torch.randn(1, 8, -(-config.vocab_size // TP_RANKS), dtype=torch.bfloat16, device=device)
+
+    def collectives_of_a_step() -> None:  # two all-reduces per layer, the embedding's, the logits' gather
+        for _ in range(2 * config.num_hidden_layers + 1):
+            collectives.wait_tensor(collectives.all_reduce(hidden, "sum", dist.group.WORLD))
+        collectives.wait_tensor(collectives.all_gather_single(logits, 2, dist.group.WORLD))
+
+    out["collectives"] = timed(collectives_of_a_step, device)
+    if rank == 0:
+        results.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_tensor_parallel(config: Any, device: torch.device) -> list[str]:
+    """Section 5 of the report (see the module docstring)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+        if gpus < TP_RANKS or not nccl:
+            why = f"{gpus} GPU(s)" + ("" if nccl else ", no NCCL in this torch build")
+            return [f"- tensor parallelism: not possible here ({why}): TP 1 only; NCCL TP needs two GPUs or more"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(tp_rank, args=(port, config, device.type, results), nprocs=TP_RANKS, start_method="spawn")
+    out = results.get()
+    backend = "NCCL" if device.type == "cuda" else "gloo"
+    return [
+        f"Tensor parallelism, {TP_RANKS} ranks over {backend}, bfloat16 verify of 8 tokens after 1024, batch 1 (ms):",
+        "",
+        "| forwards | TP step | its collectives alone | share |",
+        "|---|---|---|---|",
+        *(
+            f"| {mode} | {out[mode]:.2f} | {out['collectives']:.2f} | {out['collectives'] / out[mode]:.0%} |"
+            for mode in ("eager", "compiled")
+        ),
+        "",
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -253,6 +335,7 @@ def main() -> int:
         lines.append(f"- {mode}: projected DFlash 2 speedup over AR at τ = {TAU}, B = 8: {projected:.2f}×")
     c, e = costs["compiled"], costs["eager"]
     lines.append(f"- compiled vs eager: AR step {e['ar'] / c['ar']:.2f}×, verify 8 {e['v8'] / c['v8']:.2f}×")
+    lines += ["", *check_tensor_parallel(config, device)]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

@@ -46,6 +46,22 @@ logger = logging.getLogger(__name__)
 Result = TypeVar("Result")
 
 
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    """Raise ``ValueError`` when ``config.model`` cannot be split over ``config.tensor_parallel_size`` ranks
+    (read from its ``config.json``: a family the project decodes itself, heads that split)."""
+    from dflash2.models import loader, source
+    from dflash2.models.llama import SUPPORTED_MODEL_TYPES
+    from dflash2.models.tensor_parallel import check_shardable
+
+    hf_config = loader.load_hf_config(source.resolve_model(config.model))
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"--tensor-parallel-size needs a target the project decodes itself ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+            f"not {hf_config.model_type!r} (which runs through the transformers fallback)"
+        )
+    check_shardable(hf_config, config.tensor_parallel_size)
+
+
 class Engine:
     """Synchronous engine: ``add_request`` / ``abort`` from any thread, ``step`` on one thread.
 
@@ -130,6 +146,7 @@ class Engine:
         if config.tensor_parallel_size == 1:
             m = load_models(config)
             return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name)
+        _check_tensor_parallel(config)  # before any process starts
         group = TensorParallelGroup.launch(config)
         try:
             m = load_models(config, shard=group.shard)
@@ -137,7 +154,7 @@ class Engine:
         except BaseException as error:
             failure = group.failure
             group.close()
-            if failure is not None and not isinstance(error, TensorParallelError):
+            if failure is not None and not isinstance(error, (TensorParallelError, ValueError)):
                 raise TensorParallelError(failure) from error  # a collective failed because a rank had gone
             raise
 

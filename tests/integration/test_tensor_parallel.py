@@ -253,3 +253,13 @@ def test_smollm2_with_two_ranks_equals_one_process():
                 llm.engine.close()
     assert results[(2, 1)] == results[(1, 1)]
     assert results[(2, None)] == results[(1, None)] == results[(1, 1)]
+
+
+def test_a_model_that_cannot_split_fails_before_any_process_starts(monkeypatch):
+    def no_launch(config):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(TensorParallelGroup, "launch", no_launch)
+    # SmolLM2: 3 KV heads, which 4 ranks can neither split nor share evenly.
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 cannot split this model"):
+        Engine.from_config(EngineConfig(tensor_parallel_size=4, device="cpu", dtype="float32"))
