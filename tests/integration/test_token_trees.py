@@ -124,6 +124,40 @@ def test_tree_sampling_matches_target_distribution():
     assert _chi_square_pvalue([tuple(o.token_ids[1:]) for o in outputs], exact) > 1e-3
 
 
+def test_tree_sampling_with_lookup_branches_matches_target_distribution(monkeypatch):
+    """As above, with prompt lookup on: a prompt that repeats itself gives most rows a lookup continuation,
+    which joins the drafted tree as one more branch (a deterministic path beside the drafter's siblings).
+    The 3 tokens one step decides still follow the target (chi-square over 3000 requests, p > 1e-3)."""
+    branched: list[int] = []
+    with_branch = TokenTree.with_branch
+
+    def counting(tree, token_ids, max_nodes):
+        branched.append(len(token_ids))
+        return with_branch(tree, token_ids, max_nodes)
+
+    monkeypatch.setattr(TokenTree, "with_branch", counting)
+    target = tiny_target(vocab_size=VOCAB, seed=7)
+    drafter = tiny_drafter(target, 2, block_size=4)
+    drafter.config.__dict__["selector_top_k"] = 2
+    kwargs = {"speculative_topk": 2, "speculative_num_draft_tokens": 7, "speculative_adaptive": True}
+    engine = tiny_engine(target, drafter, 4, max_num_seqs=64, prompt_lookup_max=2, prompt_lookup_min=1, **kwargs)
+    costs = TreeCosts(engine.spec)
+    for key in costs.verify:  # every forward costs the same: the tree, with its lookup branch, wins
+        costs.verify[key] = costs.tree_verify[key] = 0.010
+    engine.policy.cost_model = costs
+    prompt = [1, 5, 2, 1, 5, 2, 1, 5]
+    base = SAMPLING_CASES["temperature"]
+    # No seeds of their own (a seeded request verifies full blocks without lookup); the engine's seed
+    # source still makes the run repeatable.
+    params = [SamplingParams(**base.__dict__) for _ in range(3000)]
+    outputs, steps = tree_steps(LLM.from_engine(engine), [prompt] * len(params), params)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    assert sum(s.num_tree_nodes > 0 for s in steps) > len(steps) / 2
+    assert len(branched) > 1000  # most rows verified a lookup branch beside the drafted siblings
+    exact = _exact_after_first(target, base, prompt=prompt)
+    assert _chi_square_pvalue([tuple(o.token_ids[1:]) for o in outputs], exact) > 1e-3
+
+
 def test_topk_one_tree_is_the_greedy_walk():
     """The beam at topk 1 is the selector's greedy walk over the lattice: the chain a chain step verifies."""
     target = tiny_target(seed=3)
