@@ -1,7 +1,7 @@
 """The project's bfloat16 linear kernels for x86 CPUs: few rows (decoding, verify blocks, small batches).
 
 Decoding multiplies 1 … 16 rows by every weight matrix, so a forward's cost is reading the weights;
-general matrix libraries are written for many rows and read them slower. Two kernels, like
+general matrix libraries are written for many rows and read them slower. Three kernels, like
 llama.cpp's CPU matrix-vector kernels written for exactly this case, each with weights pre-packed
 once at load into blocks of output features and float32 accumulation in a fixed order (a row's
 result does not depend on the other rows):
@@ -10,6 +10,12 @@ result does not depend on the other rows):
   native bfloat16 dot products (AVX512-BF16: AMD Zen 4 and later, Intel Cooper Lake, Sapphire
   Rapids and later). ``vdpbf16ps`` on pairs of inputs, blocks of 32 outputs. oneDNN reads the
   weights there at about half the memory's speed for one row (docs/engine.md).
+- :data:`AMX` (``csrc/bf16_amx_linear.cpp``, op ``dflash2::bf16_amx_linear``): CPUs with AMX (Intel
+  Sapphire Rapids and later). The AVX512-BF16 kernel's packed weight read as tiles: one ``tdpbf16ps``
+  multiplies up to 16 rows by 32 inputs of 16 outputs, so a verify block or a token tree of 16 rows
+  costs about what one row does (with ``vdpbf16ps`` the arithmetic grows with the rows: on a 2-core
+  Sapphire Rapids-class Xeon an 8-token verify of SmolLM2 cost 1.7× one token). Layers whose inputs are
+  not a multiple of 32 run the AVX512-BF16 op on the same packed weight.
 - :data:`AVX2` (``csrc/bf16_linear.cpp``, op ``dflash2::bf16_linear``): CPUs with AVX2 and FMA but
   no native bfloat16 (AMD Zen 2/3, Intel before Cooper Lake), where oneDNN and ATen fall back to
   generic code for bfloat16 matrices (an 8-row verify block of SmolLM2-135M: 126 ms of linears
@@ -43,7 +49,7 @@ PAIRED = 16  # of which the first 16 are stored as pairs in 32-bit lanes, the la
 DOT_BLOCK = 32  # output features per packed block of the AVX512-BF16 kernel (two vectors of 16)
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCE = _CSRC / "bf16_linear.cpp"
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: the AMX kernel loads the AVX512-BF16 one inside its own load
 
 
 def _check_weight(weight: torch.Tensor) -> None:
@@ -118,7 +124,7 @@ class CpuKernel:
     weight layout and its op.
 
     Attributes:
-        name: ``"avx2"`` or ``"avx512bf16"`` (the values of ``DFLASH2_CPU_KERNEL``).
+        name: ``"amx"``, ``"avx512bf16"`` or ``"avx2"`` (values of ``DFLASH2_CPU_KERNEL``).
         source: the C++ file, built on first use.
         cpu_flags: ``/proc/cpuinfo`` flags the instructions need.
         cflags: the compiler's instruction-set flags.
@@ -185,6 +191,8 @@ class CpuKernel:
             logger.warning("the %s bfloat16 CPU kernel could not be built (%s)", self.name, error)
             return False
         _register_fake(self.op_name)
+        if self.name == "amx":
+            return _amx_runs()
         return True
 
     def linear(
@@ -199,7 +207,35 @@ class CpuKernel:
         """
         if self.name == "avx2":
             return torch.ops.dflash2.bf16_linear(x, packed, bias, out_features)
-        return torch.ops.dflash2.bf16_dot_linear(x, packed, bias, x.shape[-1], out_features)
+        return dot_linear(self.name, x, packed, bias, x.shape[-1], out_features)
+
+
+def dot_linear(
+    name: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
+) -> torch.Tensor:
+    """The product of the AMX (``name == "amx"``) or AVX512-BF16 kernel on a :func:`pack_dot` weight; the AMX
+    kernel's layers whose ``in_features`` is not a multiple of 32 run the AVX512-BF16 op (the same packing)."""
+    if name == "amx" and in_features % AMX_CHUNK == 0:
+        return torch.ops.dflash2.bf16_amx_linear(x, packed, bias, in_features, out_features)
+    return torch.ops.dflash2.bf16_dot_linear(x, packed, bias, in_features, out_features)
+
+
+AMX_CHUNK = 32  # inputs per tile step of the AMX kernel (kChunk in bf16_amx_linear.cpp)
+
+
+def _amx_runs() -> bool:
+    """The AMX kernel's first product, checked: Linux must grant the process AMX's tile state (a kernel
+    older than 5.16, or a sandbox that blocks ``arch_prctl``, refuses), and the AVX512-BF16 kernel must
+    load too (it serves the layers AMX cannot)."""
+    if not AVX512_BF16.available():
+        return False
+    weight = torch.ones(32, 64, dtype=torch.bfloat16)
+    try:
+        out = torch.ops.dflash2.bf16_amx_linear(torch.ones(2, 64, dtype=torch.bfloat16), pack_dot(weight), None, 64, 32)
+    except RuntimeError as error:
+        logger.warning("the AMX bfloat16 CPU kernel cannot run here (%s)", error)
+        return False
+    return bool((out.float() == 64).all())
 
 
 _loaded: dict[str, bool] = {}
@@ -207,7 +243,15 @@ _loaded: dict[str, bool] = {}
 
 def _register_fake(op_name: str) -> None:
     """The op's shape function, so compiled graphs can call it with the packed weight as an input."""
-    if op_name == "bf16_linear":
+    if op_name == "bf16_amx_linear":
+
+        @torch.library.register_fake("dflash2::bf16_amx_linear")
+        def _(
+            x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
+        ) -> torch.Tensor:
+            return x.new_empty((*x.shape[:-1], out_features))
+
+    elif op_name == "bf16_linear":
 
         @torch.library.register_fake("dflash2::bf16_linear")
         def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -242,7 +286,17 @@ AVX512_BF16 = CpuKernel(
     pack=pack_dot,
     unpack=unpack_dot,
 )
-KERNELS = {kernel.name: kernel for kernel in (AVX512_BF16, AVX2)}
+AMX = CpuKernel(
+    name="amx",
+    source=_CSRC / "bf16_amx_linear.cpp",
+    cpu_flags=frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    cflags=(*AVX512_BF16.cflags, "-mamx-tile", "-mamx-bf16"),
+    op_name="bf16_amx_linear",
+    block=DOT_BLOCK,
+    pack=pack_dot,
+    unpack=unpack_dot,
+)
+KERNELS = {kernel.name: kernel for kernel in (AMX, AVX512_BF16, AVX2)}
 
 
 def supported_cpu() -> bool:

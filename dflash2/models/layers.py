@@ -81,11 +81,12 @@ def onednn_bf16(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-CPU_KERNELS = ("avx512bf16", "avx2", "onednn")  # DFLASH2_CPU_KERNEL's values, in the order tried
+CPU_KERNELS = ("amx", "avx512bf16", "avx2", "onednn")  # DFLASH2_CPU_KERNEL's values, in the order tried
 # The project's own kernels: custom ops that compiled graphs call with the packed weight as an input
 # (oneDNN's packed weights cannot be graph inputs).
-PROJECT_KERNELS = ("avx512bf16", "avx2")
+PROJECT_KERNELS = ("amx", "avx512bf16", "avx2")
 BACKEND_NAMES = {  # for log lines
+    "amx": "the project's AMX kernel",
     "avx512bf16": "the project's AVX512-BF16 kernel",
     "avx2": "the project's AVX2 kernel",
     "onednn": "oneDNN",
@@ -97,7 +98,8 @@ def choose_cpu_kernel(
 ) -> str | None:
     """Which bfloat16 linear path a CPU gets (pure; :func:`cpu_bf16_backend` calls it for this machine).
 
-    The first that can run, in this order: the project's AVX512-BF16 kernel (flags ``avx512f``,
+    The first that can run, in this order: the project's AMX kernel (the AVX512-BF16 flags and
+    ``amx_tile``, ``amx_bf16``), its AVX512-BF16 kernel (flags ``avx512f``,
     ``avx512bw``, ``avx512vl``, ``avx512_bf16``), its AVX2 kernel (``avx2``, ``fma``), oneDNN (when
     ``onednn``: PyTorch reports its bfloat16 support); None when none can.
 
@@ -149,7 +151,7 @@ _logged_choices: set[tuple[str | None, str | None]] = set()  # (backend, forced)
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     """How :class:`PackedLinear` runs linears of this device and dtype, or None (plain ``nn.Linear``).
 
-    On a CPU in bfloat16, :func:`cpu_bf16_backend`: ``"avx512bf16"`` or ``"avx2"`` (the project's
+    On a CPU in bfloat16, :func:`cpu_bf16_backend`: ``"amx"``, ``"avx512bf16"`` or ``"avx2"`` (the project's
     kernels, :mod:`dflash2.models.cpu_kernels`, built the first time) or ``"onednn"`` (oneDNN's
     kernels on a pre-packed weight). None on CUDA, in float32 or float16, and where none can run.
 
@@ -175,7 +177,8 @@ ONEDNN_INVARIANT_ROWS = 32
 class PackedLinear(nn.Module):
     """An inference-only ``nn.Linear`` whose bfloat16 weight is pre-packed once for a CPU kernel.
 
-    Backends ``"avx512bf16"`` (CPUs with AVX512-BF16) and ``"avx2"`` (other AVX2 CPUs): the weight
+    Backends ``"amx"`` (CPUs with AMX), ``"avx512bf16"`` (CPUs with AVX512-BF16) and ``"avx2"`` (other
+    AVX2 CPUs): the weight
     in the layout of the project's kernel (:mod:`dflash2.models.cpu_kernels`), multiplied by its op
     (float32 accumulation in a fixed order: a row's result does not depend on the other rows). A
     custom op with a shape function, so compiled graphs call it too, with the packed weight as a
@@ -194,7 +197,7 @@ class PackedLinear(nn.Module):
         weight: ``[out, in]`` bfloat16 on a CPU; bias: ``[out]`` or None.
         keep_weight: keep the dense ``weight`` attribute, for code that reads it directly
             (e.g. an LM head the drafter shares); otherwise it is dropped to save memory.
-        backend: ``"avx512bf16"``, ``"avx2"`` or ``"onednn"``; None = :func:`linear_backend`'s choice.
+        backend: ``"amx"``, ``"avx512bf16"``, ``"avx2"`` or ``"onednn"``; None = :func:`linear_backend`'s choice.
 
     Raises:
         ValueError: where neither backend can run (see :func:`linear_backend`).
@@ -227,10 +230,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` bfloat16 → ``[..., out]``."""
-        if self.backend == "avx512bf16":
-            return torch.ops.dflash2.bf16_dot_linear(
-                x, self.packed_weight, self.bias, self.in_features, self.out_features
-            )
+        if self.backend in ("amx", "avx512bf16"):
+            from dflash2.models.cpu_kernels import dot_linear
+
+            return dot_linear(self.backend, x, self.packed_weight, self.bias, self.in_features, self.out_features)
         if self.backend == "avx2":
             return torch.ops.dflash2.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
         if batch_invariant_enabled():

@@ -33,7 +33,7 @@ def test_pack_refuses_other_dtypes():
 
 KERNELS = [
     pytest.param(kernel, id=kernel.name, marks=pytest.mark.skipif(not kernel.available(), reason=f"no {kernel.name}"))
-    for kernel in (cpu_kernels.AVX2, cpu_kernels.AVX512_BF16)
+    for kernel in (cpu_kernels.AVX2, cpu_kernels.AVX512_BF16, cpu_kernels.AMX)
 ]
 
 
@@ -49,7 +49,7 @@ def test_each_layout_round_trips_and_pads_with_zeros(kernel, n, k):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [*range(1, 18), 33, 70])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (17, 7), (48, 64), (100, 130), (33, 577)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (17, 7), (48, 64), (100, 130), (33, 577), (70, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_accumulation_matches_a_float64_reference(kernel, rows, n, k, bias):
     """Odd shapes (K and N not multiples of a block or of 2), every tile size up to 17 rows."""
@@ -121,6 +121,20 @@ def test_bad_shapes_raise_on_the_avx512_bf16_kernel():
         torch.ops.dflash2.bf16_dot_linear(torch.randn(2, 16), packed, None, 16, 33)  # 2 blocks of 32, not 1
     with pytest.raises(RuntimeError, match="bias must hold"):
         torch.ops.dflash2.bf16_dot_linear(torch.randn(2, 16), packed, torch.randn(31), 16, 32)
+
+
+@pytest.mark.skipif(not cpu_kernels.AMX.available(), reason="no AMX CPU, no permission for its tiles, or no compiler")
+def test_the_amx_op_checks_shapes_and_passes_torch_library_checks():
+    packed = cpu_kernels.pack_dot(torch.randn(40, 64).to(torch.bfloat16))
+    odd = cpu_kernels.pack_dot(torch.randn(40, 48).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.dflash2.bf16_amx_linear(torch.randn(2, 48), odd, None, 48, 40)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        torch.ops.dflash2.bf16_amx_linear(torch.randn(2, 64), packed, None, 64, 65)
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.dflash2.bf16_amx_linear.default, (x, packed, None, 64, 40))
+    bias = torch.randn(40).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.dflash2.bf16_amx_linear.default, (x[0], packed, bias, 64, 40))
 
 
 def test_the_op_passes_torch_library_checks():

@@ -1,4 +1,4 @@
-"""Which bfloat16 linear path a CPU gets: the project's AVX512-BF16 kernel, its AVX2 kernel, oneDNN,
+"""Which bfloat16 linear path a CPU gets: the project's AMX, AVX512-BF16 or AVX2 kernel, oneDNN,
 or none, from the CPU's flags (faked here), what builds, and ``DFLASH2_CPU_KERNEL``."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def never(name: str) -> bool:
     ("flags", "onednn", "expected"),
     [
         (ZEN4, True, "avx512bf16"),
-        (SAPPHIRE_RAPIDS, True, "avx512bf16"),
+        (SAPPHIRE_RAPIDS, True, "amx"),
         (ZEN3, False, "avx2"),
         (COOPER_LAKE_WITHOUT_VL, True, "avx2"),
         (OLD, True, "onednn"),
@@ -44,6 +44,7 @@ def test_the_first_path_the_cpu_can_run(flags, onednn, expected):
 
 def test_a_kernel_that_does_not_build_falls_through():
     assert choose_cpu_kernel(ZEN4, True, lambda name: name != "avx512bf16") == "avx2"
+    assert choose_cpu_kernel(SAPPHIRE_RAPIDS, True, lambda name: name != "amx") == "avx512bf16"
     assert choose_cpu_kernel(ZEN4, True, never) == "onednn"
     assert choose_cpu_kernel(ZEN3, False, never) is None
 
@@ -54,7 +55,7 @@ def test_builds_is_asked_only_where_the_flags_allow():
     assert asked == ["avx2"]
 
 
-@pytest.mark.parametrize("forced", ["onednn", "avx2", "avx512bf16"])
+@pytest.mark.parametrize("forced", ["onednn", "avx2", "avx512bf16", "amx"])
 def test_forced_paths(forced):
     assert choose_cpu_kernel(SAPPHIRE_RAPIDS, True, builds, forced) == forced
 
@@ -66,8 +67,10 @@ def test_forced_paths_that_cannot_run_are_errors():
         choose_cpu_kernel(ZEN3, False, builds, "onednn")
     with pytest.raises(ValueError, match="cannot run"):
         choose_cpu_kernel(ZEN4, True, never, "avx2")
-    with pytest.raises(ValueError, match="expected one of avx512bf16, avx2, onednn"):
+    with pytest.raises(ValueError, match=r"DFLASH2_CPU_KERNEL=amx: cannot run on this CPU.*amx_tile"):
         choose_cpu_kernel(ZEN4, True, builds, "amx")
+    with pytest.raises(ValueError, match="expected one of amx, avx512bf16, avx2, onednn"):
+        choose_cpu_kernel(ZEN4, True, builds, "avx10")
 
 
 def test_the_engine_reads_the_variable_and_logs_its_choice_once(monkeypatch, caplog):
@@ -88,4 +91,6 @@ def test_the_engine_reads_the_variable_and_logs_its_choice_once(monkeypatch, cap
 def test_each_kernel_names_the_flags_its_instructions_need():
     assert cpu_kernels.AVX2.cpu_flags == {"avx2", "fma"}
     assert {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_kernels.AVX512_BF16.cpu_flags
-    assert set(cpu_kernels.KERNELS) == {"avx2", "avx512bf16"}
+    assert {"amx_tile", "amx_bf16"} <= cpu_kernels.AMX.cpu_flags
+    assert cpu_kernels.AVX512_BF16.cpu_flags <= cpu_kernels.AMX.cpu_flags
+    assert set(cpu_kernels.KERNELS) == {"avx2", "avx512bf16", "amx"}
