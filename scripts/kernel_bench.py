@@ -2,7 +2,7 @@
 
 For each of a model's matrix shapes (default SmolLM2-135M's: fused QKV, O, fused gate/up, down, the
 LM head) and each row count, times ``y = x · Wᵀ`` through oneDNN (the pre-packed weight PyTorch's
-``mkldnn._linear_pointwise`` takes), the project's AVX2 kernel and its AVX512-BF16 kernel, each on
+``mkldnn._linear_pointwise`` takes), the project's AVX2, AVX512-BF16 and AMX kernels, each on
 its own packed copies of the weights. Each shape gets enough distinct weight matrices (≥ 160 MB) that
 a pass reads them from memory, as a decode forward does, not from the cache. Passes of the methods
 are interleaved and the median kept. The last line is the machine's memory bandwidth (bytes read per
@@ -46,7 +46,7 @@ def methods() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callabl
             torch.ops.mkldnn._reorder_linear_weight,
             lambda x, w, n: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         )
-    for kernel in (cpu_kernels.AVX2, cpu_kernels.AVX512_BF16):
+    for kernel in (cpu_kernels.AVX2, cpu_kernels.AVX512_BF16, cpu_kernels.AMX):
         if kernel.available():
             found[kernel.name] = (kernel.pack, lambda x, w, n, kernel=kernel: kernel.linear(x, w, None, n))
     return found
