@@ -125,6 +125,10 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
                 command += [flag, str(value)]
     if e.deterministic:
         command.append("--deterministic")
+    if spec.block_size > 1 and e.speculative_topk > 1:  # the run's token trees, on the speculative server
+        command += ["--speculative-topk", str(e.speculative_topk)]
+        if e.speculative_num_draft_tokens is not None:
+            command += ["--speculative-num-draft-tokens", str(e.speculative_num_draft_tokens)]
     if e.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
     command.append("--adaptive-threads" if e.adaptive_threads else "--no-adaptive-threads")

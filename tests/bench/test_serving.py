@@ -434,5 +434,10 @@ def test_tensor_parallel_rows_split_the_baseline_and_the_default() -> None:
     assert split.engine_config(1, True).tensor_parallel_size == 2
     server = serving.serve_command(split, serving.ServerSpec("ar"), 8000)
     assert server[server.index("--tensor-parallel-size") + 1] == "2"
+    trees = BenchConfig(engine=EngineConfig(speculative_topk=4, speculative_num_draft_tokens=16))
+    speculative = serving.serve_command(trees, serving.ServerSpec("dflash2-b8", 8), 8000)
+    assert speculative[speculative.index("--speculative-topk") + 1] == "4"
+    assert speculative[speculative.index("--speculative-num-draft-tokens") + 1] == "16"
+    assert "--speculative-topk" not in serving.serve_command(trees, serving.ServerSpec("ar"), 8000)
     with pytest.raises(ValueError, match="tensor-parallel rows"):
         BenchConfig(tensor_parallel_rows=(1,))
