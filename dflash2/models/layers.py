@@ -129,6 +129,19 @@ def choose_cpu_kernel(
     return next((name for name in CPU_KERNELS if can_run(name)), None)
 
 
+@contextlib.contextmanager
+def without_kernels(names: tuple[str, ...]) -> Iterator[None]:
+    """Within this block (on this thread), :func:`cpu_bf16_backend` skips the project kernels ``names``
+    unless ``DFLASH2_CPU_KERNEL`` forces one (deterministic mode keeps the AMX kernel out: see
+    :func:`dflash2.runner.model_runner.check_deterministic`)."""
+    previous = getattr(_local, "excluded", ())
+    _local.excluded = tuple(names)
+    try:
+        yield
+    finally:
+        _local.excluded = previous
+
+
 def cpu_bf16_backend() -> str | None:
     """:func:`choose_cpu_kernel` for this machine, ``DFLASH2_CPU_KERNEL`` honoured (each call reads
     it; the kernels' builds and the CPU's flags are cached); each choice is logged once."""
@@ -137,7 +150,10 @@ def cpu_bf16_backend() -> str | None:
 
     onednn = onednn_bf16(torch.device("cpu"), torch.bfloat16)
     forced = os.environ.get("DFLASH2_CPU_KERNEL", "").strip().lower() or None
-    backend = choose_cpu_kernel(cpu_flags(), onednn, lambda name: KERNELS[name].available(), forced)
+    excluded = getattr(_local, "excluded", ())
+    backend = choose_cpu_kernel(
+        cpu_flags(), onednn, lambda name: name not in excluded and KERNELS[name].available(), forced
+    )
     if (backend, forced) not in _logged_choices:
         _logged_choices.add((backend, forced))
         how = "forced by DFLASH2_CPU_KERNEL" if forced else "chosen from the CPU's flags"
