@@ -99,6 +99,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
             embed, head = target.embedding_weights()
             embed_on_device = embed.to(device)
             drafter.bind_target(embed_on_device, embed_on_device if head is embed else head.to(device))
+        assert isinstance(target, TargetModel)  # checked above
         target = shard_target(target, shard).to(device)
     name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
     return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.models.layers import MLP
 from dflash2.models.llama import TargetModel
 
 
@@ -204,19 +205,22 @@ def shard_target(target: TargetModel, shard: ShardInfo) -> TargetModel:
         attn.q_proj = _column(attn.q_proj, first * d, (first + heads) * d)
         attn.k_proj = _column(attn.k_proj, kv_first * d, (kv_first + kv_heads) * d)
         attn.v_proj = _column(attn.v_proj, kv_first * d, (kv_first + kv_heads) * d)
-        attn.o_proj = _row(attn.o_proj, first * d, (first + heads) * d, shard)
+        attn.register_module("o_proj", _row(attn.o_proj, first * d, (first + heads) * d, shard))
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         attn.qkv_sizes = [heads * d, kv_heads * d, kv_heads * d]
         mlp = layer.mlp
+        assert isinstance(mlp, MLP), "shard the loaded target, before fused_copy"
         start, stop = split(mlp.gate_proj.out_features, world, rank)
         mlp.gate_proj = _column(mlp.gate_proj, start, stop)
         mlp.up_proj = _column(mlp.up_proj, start, stop)
-        mlp.down_proj = _row(mlp.down_proj, start, stop, shard)
+        mlp.register_module("down_proj", _row(mlp.down_proj, start, stop, shard))
     vocab = target.embed_tokens.weight.shape[0]
-    tied = target.lm_head.weight is target.embed_tokens.weight
+    head_weight = target.lm_head.weight
+    assert head_weight is not None, "shard the loaded target, before prepack"
+    tied = head_weight is target.embed_tokens.weight
     embed_rows, start = _vocab_rows(target.embed_tokens.weight, shard)
-    target.embed_tokens = VocabParallelEmbedding(embed_rows, start, vocab, shard)
-    head_rows = embed_rows if tied else _vocab_rows(target.lm_head.weight, shard)[0]
-    target.lm_head = VocabParallelHead(_linear(head_rows, None), vocab, shard)
+    target.register_module("embed_tokens", VocabParallelEmbedding(embed_rows, start, vocab, shard))
+    head_rows = embed_rows if tied else _vocab_rows(head_weight, shard)[0]
+    target.register_module("lm_head", VocabParallelHead(_linear(head_rows, None), vocab, shard))
     target.shard = shard
     return target
