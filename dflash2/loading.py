@@ -60,8 +60,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
     to rank 0's share (:func:`dflash2.models.tensor_parallel.shard_target`) before it moves to the device.
 
     Raises:
-        ValueError: with ``shard``, a target that does not split over the ranks or is not one the project
-            decodes itself.
+        ValueError: with ``shard``, a target that does not split over the ranks.
         dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with a message
             that says what to do.
     """
@@ -78,11 +77,6 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
     device, dtype = config.torch_device, resolve_dtype(config)
     tokenizer = loader.load_tokenizer(folder)
     target = loader.load_target(folder, dtype, device if shard is None else torch.device("cpu"))
-    if shard is not None and not isinstance(target, TargetModel):
-        raise ValueError(
-            f"--tensor-parallel-size needs a target the project decodes itself, not the {type(target).__name__} "
-            "fallback"
-        )
     drafter = None
     drafter_path = resolve_drafter_path(config)
     if config.block_size != 1:
@@ -99,7 +93,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
             embed, head = target.embedding_weights()
             embed_on_device = embed.to(device)
             drafter.bind_target(embed_on_device, embed_on_device if head is embed else head.to(device))
-        assert isinstance(target, TargetModel)  # checked above
+        assert isinstance(target, TargetModel)  # Engine.from_config checked the family before starting workers
         target = shard_target(target, shard).to(device)
     name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
     return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name)

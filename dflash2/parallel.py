@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -337,8 +337,7 @@ def load_shard(config: EngineConfig, shard: ShardInfo, device: torch.device) -> 
     """Load ``config``'s target on the CPU, keep ``shard``'s part and move it to ``device``.
 
     Raises:
-        ValueError: a target the project does not decode itself (the transformers fallback), or one that
-            does not split over the ranks; dflash2.models.source.ModelSourceError / ModelLoadError.
+        dflash2.models.source.ModelSourceError / ModelLoadError.
     """
     from dflash2.loading import resolve_dtype
     from dflash2.models import loader, source
@@ -347,11 +346,7 @@ def load_shard(config: EngineConfig, shard: ShardInfo, device: torch.device) -> 
 
     folder = source.resolve_model(config.model)
     target = loader.load_target(folder, resolve_dtype(config), torch.device("cpu"))
-    if not isinstance(target, TargetModel):
-        raise ValueError(
-            f"--tensor-parallel-size needs a target the project decodes itself, not the {type(target).__name__} "
-            "fallback"
-        )
+    assert isinstance(target, TargetModel)  # Engine.from_config checked the family before starting workers
     return shard_target(target, shard).to(device)
 
 
@@ -418,8 +413,3 @@ def _serve(runner: ModelRunner, pipe: Any) -> None:
                 result = getattr(runner, name)(*args)
         if kind == "query":
             pipe.send(("result", result))
-
-
-def with_world_size(config: EngineConfig, world_size: int) -> EngineConfig:
-    """``config`` with another ``tensor_parallel_size`` (benchmarks compare 1 and N)."""
-    return replace(config, tensor_parallel_size=world_size)
