@@ -35,7 +35,7 @@ from dflash2.engine.slots import SlotTable
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
-from dflash2.models.layers import batch_invariant, without_kernels
+from dflash2.models.layers import batch_invariant
 from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
 from dflash2.parallel import TensorParallelError, TensorParallelGroup
 from dflash2.runner import ModelRunner
@@ -99,22 +99,19 @@ class Engine:
         self.threads = self._thread_governor()
         if self.threads is not None:
             self.threads.settle()  # start-up (compiling, timing step costs) at a count that fits the free cores
-        # Deterministic mode keeps the AMX kernel out: with it, greedy speculative and autoregressive output
-        # were seen to differ by one token on SmolLM2 (tests/integration/test_deterministic.py; cause not found).
-        with without_kernels(("amx",)) if config.deterministic else contextlib.nullcontext():
-            self.runner = ModelRunner(
-                target,
-                drafter if spec.speculative else None,
-                spec.max_num_seqs,
-                spec.max_model_len,
-                spec.block_size,
-                enforce_eager=config.enforce_eager,
-                deterministic=config.deterministic,
-                dynamic_threads=self.threads is not None,
-                use_selector=config.use_selector,
-                tree_nodes=spec.tree_nodes,
-                tensor_parallel=tensor_parallel,
-            )
+        self.runner = ModelRunner(
+            target,
+            drafter if spec.speculative else None,
+            spec.max_num_seqs,
+            spec.max_model_len,
+            spec.block_size,
+            enforce_eager=config.enforce_eager,
+            deterministic=config.deterministic,
+            dynamic_threads=self.threads is not None,
+            use_selector=config.use_selector,
+            tree_nodes=spec.tree_nodes,
+            tensor_parallel=tensor_parallel,
+        )
         self.scheduler = Scheduler(spec.max_num_seqs)
         self.policy = SpeculationPolicy(spec, self.runner)
         prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy

@@ -131,6 +131,7 @@ class CpuKernel:
         op_name: the op in the ``dflash2`` namespace.
         block: output features per packed block.
         pack: ``[N, K]`` bfloat16 → the packed layout; unpack: its inverse ``(packed, N, K)``.
+        extra_sources: more C++ files built into the same library (other ops needing the same flags).
     """
 
     name: str
@@ -141,6 +142,7 @@ class CpuKernel:
     block: int
     pack: Callable[[torch.Tensor], torch.Tensor]
     unpack: Callable[..., torch.Tensor]
+    extra_sources: tuple[pathlib.Path, ...] = ()
 
     def supported_cpu(self) -> bool:
         """True on an x86-64 Linux CPU with the flags this kernel's instructions need."""
@@ -152,7 +154,8 @@ class CpuKernel:
         """``<dflash2 cache>/kernels/<name>-<hash of the source and the torch version>``."""
         from dflash2.models.source import cache_dir
 
-        key = hashlib.sha256(self.source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+        sources = b"".join(path.read_bytes() for path in (self.source, *self.extra_sources))
+        key = hashlib.sha256(sources + torch.__version__.encode()).hexdigest()[:16]
         return cache_dir() / "kernels" / f"{self.source.stem}-{key}"
 
     def available(self) -> bool:
@@ -178,7 +181,7 @@ class CpuKernel:
         try:
             load(
                 name=f"dflash2_{self.source.stem}",
-                sources=[str(self.source)],
+                sources=[str(path) for path in (self.source, *self.extra_sources)],
                 # -fopenmp: at::parallel_for's OpenMP loop is in the header (without it, one thread).
                 # The library links libgomp.so.1 by name, which resolves to the copy torch loaded.
                 extra_cflags=["-O3", *self.cflags, "-fopenmp"],
@@ -285,6 +288,8 @@ AVX512_BF16 = CpuKernel(
     block=DOT_BLOCK,
     pack=pack_dot,
     unpack=unpack_dot,
+    # Deterministic mode's attention (dflash2.models.layers.invariant_attention) needs the same flags.
+    extra_sources=(_CSRC / "invariant_attention.cpp",),
 )
 AMX = CpuKernel(
     name="amx",

@@ -129,19 +129,6 @@ def choose_cpu_kernel(
     return next((name for name in CPU_KERNELS if can_run(name)), None)
 
 
-@contextlib.contextmanager
-def without_kernels(names: tuple[str, ...]) -> Iterator[None]:
-    """Within this block (on this thread), :func:`cpu_bf16_backend` skips the project kernels ``names``
-    unless ``DFLASH2_CPU_KERNEL`` forces one (deterministic mode keeps the AMX kernel out: see
-    :func:`dflash2.runner.model_runner.check_deterministic`)."""
-    previous = getattr(_local, "excluded", ())
-    _local.excluded = tuple(names)
-    try:
-        yield
-    finally:
-        _local.excluded = previous
-
-
 def cpu_bf16_backend() -> str | None:
     """:func:`choose_cpu_kernel` for this machine, ``DFLASH2_CPU_KERNEL`` honoured (each call reads
     it; the kernels' builds and the CPU's flags are cached); each choice is logged once."""
@@ -150,10 +137,7 @@ def cpu_bf16_backend() -> str | None:
 
     onednn = onednn_bf16(torch.device("cpu"), torch.bfloat16)
     forced = os.environ.get("DFLASH2_CPU_KERNEL", "").strip().lower() or None
-    excluded = getattr(_local, "excluded", ())
-    backend = choose_cpu_kernel(
-        cpu_flags(), onednn, lambda name: name not in excluded and KERNELS[name].available(), forced
-    )
+    backend = choose_cpu_kernel(cpu_flags(), onednn, lambda name: KERNELS[name].available(), forced)
     if (backend, forced) not in _logged_choices:
         _logged_choices.add((backend, forced))
         how = "forced by DFLASH2_CPU_KERNEL" if forced else "chosen from the CPU's flags"
@@ -449,22 +433,41 @@ INVARIANT_KEY_ALIGN = 64
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked grouped-query attention whose result for each query depends only on that query, its
-    mask row and the keys: not on the other queries or rows in the call, nor on how many masked
-    keys follow (batch-invariant; see :func:`batch_invariant`).
+    mask row and the keys it sees: not on the other queries, heads or rows in the call, nor on how
+    many masked keys there are (batch-invariant; see :func:`batch_invariant`).
 
-    Written out as two matrix products in the inputs' dtype with a float32 masked softmax between
-    them, so every reduction runs in oneDNN's GEMM (the same bits for any row count ≥ 2 and any row
-    offset, and for any number of trailing zero terms) or along one softmax row padded to a multiple
-    of ``INVARIANT_KEY_ALIGN`` keys; masked keys contribute exact zeros (``exp`` underflows).
-    Queries are processed in chunks of at most ``INVARIANT_SCORES_BUDGET`` scores, which changes no
-    result.
+    In bfloat16 on a CPU with the AVX512-BF16 kernel's library (deterministic mode requires it), the
+    op ``dflash2::invariant_attention`` (``csrc/invariant_attention.cpp``): one thread computes one
+    query head's output from start to end, in float32 in a fixed order, skipping masked keys.
+    Library GEMMs cannot be used for this: on CPUs with AMX, oneDNN's bfloat16 product gave one
+    query other bits in a call of 3 rows than in one of 6. Elsewhere (other dtypes, tests),
+    :func:`_written_out_attention`.
 
     Args:
         q: ``[R, nh, L, d]``; k, v: ``[R, nkv, T, d]``; mask: ``[R, 1, L, T]`` bool, True = visible.
 
     Returns:
-        ``[R, L, nh·d]``.
+        ``[R, L, nh·d]`` in ``q``'s dtype.
     """
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and invariant_kernel_available():
+        scale = q.shape[-1] ** -0.5
+        return torch.ops.dflash2.invariant_attention(q, k, v, mask[:, 0], scale)
+    return _written_out_attention(q, k, v, mask)
+
+
+def invariant_kernel_available() -> bool:
+    """Whether ``dflash2::invariant_attention`` runs here: it is built into the AVX512-BF16 kernel's
+    library (:data:`dflash2.models.cpu_kernels.AVX512_BF16`)."""
+    from dflash2.models.cpu_kernels import AVX512_BF16
+
+    return AVX512_BF16.available()
+
+
+def _written_out_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`invariant_attention` without the kernel: two ``torch.matmul`` products and a float32
+    masked softmax, each softmax row padded to a multiple of ``INVARIANT_KEY_ALIGN`` keys. Row
+    invariance then rests on the library's GEMM, which holds on some CPUs and not on others (oneDNN on
+    AMX), so deterministic mode never runs it."""
     num_rows, num_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash2.models.batch import ForwardBatch
+from dflash2.models.cpu_kernels import AVX512_BF16
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
-from dflash2.models.layers import BACKEND_NAMES, batch_invariant_enabled, linear_backend, onednn_bf16
+from dflash2.models.layers import BACKEND_NAMES, batch_invariant_enabled, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
@@ -207,16 +208,6 @@ class ModelRunner:
         if self.tensor_parallel is not None:
             self.tensor_parallel.run("verify", slots, token_rows, starts)
         width = max(len(row) for row in token_rows)
-        if batch_invariant_enabled() and len(slots) > 1:
-            # Deterministic mode: one row at a time. Batched, a row's logits were seen to differ from
-            # the same row's alone (oneDNN on AMX; the kernels and the attention each pass their own
-            # invariance tests, the cause in between was not found): slower, but exact.
-            alone = [self.verify([slot], [row], [start]) for slot, row, start in zip(slots, token_rows, starts)]
-            logits = torch.cat([_pad_positions(lg, width) for lg, _ in alone])
-            features = None
-            if self.capture_layer_ids:
-                features = torch.cat([_pad_positions(f, width) for _, f in alone if f is not None])
-            return logits, features
         if self._target_forward is not None:
             logits, features = self._target_call(slots, token_rows, starts)
         elif isinstance(self.target, TargetModel) and not batch_invariant_enabled():
@@ -401,30 +392,35 @@ class ModelRunner:
         return sum(self.target_cache.lengths[: self.num_slots]) / (self.num_slots * self.max_model_len)
 
 
-def _pad_positions(values: torch.Tensor, width: int) -> torch.Tensor:
-    """``values [1, L, D]`` padded with zeros to ``[1, width, D]``."""
-    return torch.nn.functional.pad(values, (0, 0, 0, width - values.shape[1]))
-
-
 def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -> None:
     """Raise ``ValueError`` unless batch-invariant forwards are available for this target, device
-    and dtype: the project's own decoder (not the transformers fallback), on a CPU where oneDNN
-    runs bfloat16 (its GEMM is the row-invariant kernel the mode relies on; float32 matrix
-    products go through MKL, whose summation order depends on the row count)."""
+    and dtype: the project's own decoder (not the transformers fallback), in bfloat16 on a CPU where
+    the project's AVX512-BF16 library builds (its ``invariant_attention`` op is the mode's attention;
+    the linears run on the project's row-invariant kernels). Float32 matrix products go through MKL,
+    whose summation order depends on the row count, so float32 is refused."""
     if device.type != "cpu":
         raise ValueError(f"--deterministic runs on CPU only for now, not on {device.type}")
-    if not onednn_bf16(device, dtype):
-        reason = (
-            "this CPU has neither, so bfloat16 runs on the project's AVX2 kernel (or PyTorch's generic code), "
-            "which this mode does not support"
-            if dtype == torch.bfloat16
-            else f"this engine runs {str(dtype).removeprefix('torch.')}"
-        )
+    if dtype != torch.bfloat16:
         raise ValueError(
-            f"--deterministic needs --dtype bfloat16 on a CPU where oneDNN runs bfloat16 (AVX512-BF16 or AMX); {reason}"
+            "--deterministic needs --dtype bfloat16 on a CPU with AVX512-BF16 (or AMX); "
+            f"this engine runs {str(dtype).removeprefix('torch.')}"
+        )
+    if not invariant_kernel_available():
+        raise ValueError(
+            "--deterministic needs --dtype bfloat16 on a CPU with AVX512-BF16 (or AMX) and a C++ compiler to build "
+            "the project's kernels there; this CPU has neither, so bfloat16 runs on the project's AVX2 kernel "
+            "(or PyTorch's generic code), which this mode does not support"
+            if not AVX512_BF16.supported_cpu()
+            else "--deterministic needs the project's AVX512-BF16 kernel library, which could not be built here "
+            "(see the warning above; a C++ compiler is needed)"
         )
     if not isinstance(target, TargetModel):
         raise ValueError(
             f"--deterministic needs a target the project decodes itself ({', '.join(SUPPORTED_MODEL_TYPES)}), "
             f"not the {type(target).__name__} fallback"
+        )
+    if target.head_dim % 16 or target.head_dim > 256:
+        raise ValueError(
+            f"--deterministic's attention kernel takes head dims that are multiples of 16 up to 256, "
+            f"not this target's {target.head_dim}"
         )

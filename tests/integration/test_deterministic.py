@@ -10,13 +10,14 @@ import torch
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.models.layers import onednn_bf16
+from dflash2.models.batch import ForwardBatch
+from dflash2.models.layers import batch_invariant, invariant_kernel_available
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+        not invariant_kernel_available(), reason="no AVX512-BF16 kernel library here (deterministic mode's attention)"
     ),
 ]
 # Prompts and length where the default bfloat16 mode was seen to break near-ties differently between
@@ -76,6 +77,57 @@ def test_greedy_speculative_equals_greedy_autoregressive(speculative, greedy_ref
     assert speculative.engine.runner.draft_cache is not None  # the shipped drafter drafts
     assert _batch(speculative, GREEDY) == greedy_reference
     assert _alone(speculative, GREEDY) == greedy_reference
+
+
+def test_every_verify_width_offset_and_batch_gives_the_single_token_logits(speculative):
+    """The property the end-to-end tests rest on, checked on the logits themselves rather than through
+    near-ties: a token's logits from a verify block of any width at any offset, or from a ragged batch
+    of two such blocks, equal bit for bit those of the single-token step at its position."""
+    runner, tokenizer = speculative.engine.runner, speculative.engine.tokenizer
+    steps = 20
+    with torch.inference_mode(), batch_invariant():
+        prompt = tokenizer.encode(PROMPTS[2])
+        start = len(prompt)
+        for slot in (0, 1):
+            logits, _ = runner.prefill([slot], [prompt], [0])
+        tokens, single = list(prompt), []
+        for _ in range(steps):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits, _ = runner.verify([0], [[tokens[-1]]], [len(tokens) - 1])
+            single.append(logits[0, 0].clone())
+            runner.verify([1], [[tokens[-1]]], [len(tokens) - 1])
+
+        def restore(slot: int, offset: int, width: int) -> None:  # the block's K/V back to single-token bits
+            runner.rollback(slot, start + offset)
+            for j in range(offset, offset + width):
+                runner.verify([slot], [[tokens[start + j]]], [start + j])
+
+        checked = 0
+        for width in (3, 8):
+            for offset in range(steps - width + 1):
+                runner.rollback(0, start + offset)
+                block, _ = runner.verify([0], [tokens[start + offset : start + offset + width]], [start + offset])
+                for j in range(width):
+                    assert torch.equal(block[0, j], single[offset + j]), (width, offset, j)
+                    checked += 1
+                restore(0, offset, width)
+        for (offset0, width0), (offset1, width1) in (((0, 8), (5, 3)), ((10, 4), (2, 8)), ((7, 8), (7, 8))):
+            runner.rollback(0, start + offset0)
+            runner.rollback(1, start + offset1)
+            rows = [
+                tokens[start + offset0 : start + offset0 + width0],
+                tokens[start + offset1 : start + offset1 + width1],
+            ]
+            batch = ForwardBatch.build([0, 1], rows, [start + offset0, start + offset1], runner.device)
+            logits, _ = runner.target.run(batch, runner.target_cache, runner.capture_layer_ids)
+            for row, offset, width in ((0, offset0, width0), (1, offset1, width1)):
+                for j in range(width):
+                    assert torch.equal(logits[row, j], single[offset + j]), (row, offset, j)
+                    checked += 1
+                restore(row, offset, width)
+        runner.free(0)
+        runner.free(1)
+    assert checked == 18 * 3 + 13 * 8 + 11 + 12 + 16
 
 
 def test_autoregressive_batch_equals_alone(autoregressive, greedy_reference):

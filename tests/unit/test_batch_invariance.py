@@ -11,12 +11,22 @@ import dflash2.config
 import dflash2.engine
 import dflash2.runner.model_runner
 from dflash2.models import cpu_kernels, layers
-from dflash2.models.layers import PackedLinear, attention, batch_invariant, batch_invariant_enabled, onednn_bf16
+from dflash2.models.layers import (
+    PackedLinear,
+    attention,
+    batch_invariant,
+    batch_invariant_enabled,
+    invariant_kernel_available,
+    onednn_bf16,
+)
 from dflash2.spec.selector import SelectorWeights, lattice_scores
 from tests.tiny import tiny_target
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16(torch.device("cpu"), torch.bfloat16), reason="this CPU / PyTorch build has no oneDNN bfloat16"
+)
+needs_invariant_kernel = pytest.mark.skipif(
+    not invariant_kernel_available(), reason="no AVX512-BF16 kernel library here (deterministic mode's attention)"
 )
 HEAD_DIM, KV_HEADS, GROUP = 64, 3, 3
 
@@ -45,27 +55,47 @@ def test_invariant_attention_is_attention(kv):
     assert torch.allclose(layers.invariant_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)
 
 
-@needs_onednn_bf16
-def test_invariant_attention_ignores_neighbours_offsets_and_key_length(kv, monkeypatch):
-    """Query (row 2, position 300) computed alone with exactly its keys, then: at every offset of an
-    8-wide block, among 4 rows, with 13–100 masked keys after it, and with the queries chunked."""
+@needs_invariant_kernel
+def test_invariant_attention_in_bfloat16_is_attention(kv):
+    queries, keys, values = kv
+    q, k, v = queries[:2, :, :8], keys[:2, :, :150], values[:2, :, :150]
+    mask = _mask([100, 130], 8, 150)
+    expected = attention(q.float(), k.float(), v.float(), mask)
+    out = layers.invariant_attention(q, k, v, mask)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+    assert torch.allclose(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_invariant_kernel
+def test_invariant_attention_ignores_neighbours_offsets_and_key_length(kv):
+    """Query (row 2, position 300) computed alone with exactly its keys, then: at every offset of a
+    block of 3, 8 and 16 queries (the widths of a verify block and a token tree; 9 to 48 rows of one
+    query head group), among 4 rows, with 1–100 masked keys after it."""
     queries, keys, values = kv
     query = queries[2, :, 0]
     own_keys, own_values = keys[2:3, :, :301], values[2:3, :, :301]
     alone = layers.invariant_attention(query[None, :, None], own_keys, own_values, _mask([300], 1, 301))
     seen = 0
-    for offset in range(8):
-        q = queries.clone()[:, :, :8]
-        q[2, :, offset] = query
-        starts = [250, 310, 300 - offset, 90]
-        for num_keys in (308, 313, 364, 400):
-            for budget in (layers.INVARIANT_SCORES_BUDGET, 3 * 400):  # the second splits the queries
-                monkeypatch.setattr(layers, "INVARIANT_SCORES_BUDGET", budget)
-                mask = _mask(starts, 8, num_keys)
+    for width in (3, 8, 16):
+        for offset in range(width):
+            q = queries.clone()[:, :, :width]
+            q[2, :, offset] = query
+            starts = [250, 310, 300 - offset, 90]
+            for num_keys in (300 - offset + width, 320, 364, 400):
+                mask = _mask(starts, width, num_keys)
                 out = layers.invariant_attention(q, keys[:, :, :num_keys], values[:, :, :num_keys], mask)
-                assert torch.equal(out[2, offset], alone[0, 0]), (offset, num_keys, budget)
+                assert torch.equal(out[2, offset], alone[0, 0]), (width, offset, num_keys)
                 seen += 1
-    assert seen == 64
+    assert seen == 4 * (3 + 8 + 16)
+
+
+def test_invariant_attention_refuses_what_its_kernel_cannot_take():
+    if not invariant_kernel_available():
+        pytest.skip("no AVX512-BF16 kernel library here")
+    q = torch.zeros(1, 3, 1, 40, dtype=torch.bfloat16)  # head dim not a multiple of 16
+    k = torch.zeros(1, 1, 4, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 16"):
+        layers.invariant_attention(q, k, k, torch.ones(1, 1, 1, 4, dtype=torch.bool))
 
 
 @needs_onednn_bf16
@@ -129,7 +159,8 @@ def test_lattice_scores_row_by_row_equal_the_batched_scores():
 
 def test_refused_on_the_avx2_kernel_with_the_reason(monkeypatch):
     # bfloat16 on a CPU without AVX512-BF16 / AMX runs on the project's kernel: say so, not "runs bfloat16".
-    monkeypatch.setattr(dflash2.runner.model_runner, "onednn_bf16", lambda device, dtype: False)
+    monkeypatch.setattr(dflash2.runner.model_runner, "invariant_kernel_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels.CpuKernel, "supported_cpu", lambda self: False)
     target = tiny_target("qwen3", seed=0).to(torch.bfloat16)
     config = dflash2.config.EngineConfig(
         block_size=1, max_num_seqs=1, max_model_len=64, device="cpu", dtype="bfloat16", deterministic=True

@@ -94,12 +94,3 @@ def test_each_kernel_names_the_flags_its_instructions_need():
     assert {"amx_tile", "amx_bf16"} <= cpu_kernels.AMX.cpu_flags
     assert cpu_kernels.AVX512_BF16.cpu_flags <= cpu_kernels.AMX.cpu_flags
     assert set(cpu_kernels.KERNELS) == {"avx2", "avx512bf16", "amx"}
-
-
-@pytest.mark.skipif(not cpu_kernels.AMX.available(), reason="no AMX CPU")
-def test_a_kernel_left_out_for_a_block_falls_through(monkeypatch):
-    monkeypatch.delenv("DFLASH2_CPU_KERNEL", raising=False)
-    assert dflash2.models.layers.cpu_bf16_backend() == "amx"
-    with dflash2.models.layers.without_kernels(("amx",)):
-        assert dflash2.models.layers.cpu_bf16_backend() == "avx512bf16"
-    assert dflash2.models.layers.cpu_bf16_backend() == "amx"
