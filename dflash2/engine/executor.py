@@ -21,7 +21,7 @@ from dflash2.grammar import GrammarBackend
 from dflash2.runner import Drafted, ModelRunner
 from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
 from dflash2.spec.selector import Proposal
-from dflash2.spec.tree import TokenTree, accept_tree, build_trees
+from dflash2.spec.tree import TokenTree, TreeCalibration, accept_tree, build_trees
 from dflash2.spec.verify import accept_block
 
 
@@ -84,6 +84,8 @@ class StepExecutor:
         self, spec: EngineSpec, runner: ModelRunner, grammar: GrammarBackend | None, eos_token_ids: tuple[int, ...]
     ) -> None:
         self.spec, self.runner, self.grammar, self.eos_token_ids = spec, runner, grammar, eos_token_ids
+        # Token trees: the drafter's log-probabilities calibrated per depth from the trees verified so far.
+        self.tree_calibration = TreeCalibration(max(spec.block_size - 1, 1))
 
     def prefill(self, requests: list[Request]) -> Prefilled:
         """Run the prompts through the target (a cached prefix is not recomputed), write their drafter
@@ -171,7 +173,12 @@ class StepExecutor:
         start = time.perf_counter()
         budget = self.spec.tree_budget(plan.width)
         limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
-        trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts)
+        # A seeded row's tree must not follow the traffic before it: the drafter's own numbers.
+        offsets = self.tree_calibration.offsets()
+        calibration = [None if r.params.seed is not None else offsets for r in rows]
+        trees = build_trees(
+            candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts, calibration
+        )
         if plan.branches is not None:  # prompt-lookup drafts as one more branch (nodes beyond the budget)
             room = [self.spec.max_model_len - s for s in starts]
             trees = [t.with_branch(b, n) if b else t for t, b, n in zip(trees, plan.branches, room)]
@@ -193,6 +200,7 @@ class StepExecutor:
                 None if uniforms is None else uniforms[i],
             )
             runner.commit_tree(slots[i], starts[i], verdict.accepted_nodes)
+            self.tree_calibration.observe(tree, verdict.accepted_nodes)
             paths.append([0, *verdict.accepted_nodes])
             next_ids.append(verdict.next_id)
             spine.append(_spine_length(tree, verdict.accepted_nodes))

@@ -124,6 +124,24 @@ def test_tree_sampling_matches_target_distribution():
     assert _chi_square_pvalue([tuple(o.token_ids[1:]) for o in outputs], exact) > 1e-3
 
 
+def test_a_seeded_tree_request_does_not_follow_the_calibration_other_traffic_taught(target):
+    """Unseeded tree steps teach the per-depth calibration (TreeCalibration) that shapes later trees; a
+    seeded request's trees use the drafter's own numbers, so its sampled text is the same before and
+    after that traffic."""
+    engine = tiny_engine(
+        target, tiny_drafter(target, 2, 8), 8, max_num_seqs=4, speculative_topk=4, speculative_num_draft_tokens=16
+    )
+    llm = LLM.from_engine(engine)
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    before = llm.generate(PROMPTS[:2], seeded)
+    assert engine.executor.tree_calibration.offsets()[0][0] != 0.0  # the seeded steps were counted too
+    llm.generate(PROMPTS * 3, SamplingParams(max_tokens=24, temperature=1.0))  # unseeded traffic
+    trained = engine.executor.tree_calibration.offsets()
+    assert any(abs(offset) > 0.1 for by_rank in trained for offset in by_rank)
+    after = llm.generate(PROMPTS[:2], seeded)
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+
+
 def test_tree_sampling_with_lookup_branches_matches_target_distribution(monkeypatch):
     """As above, with prompt lookup on: a prompt that repeats itself gives most rows a lookup continuation,
     which joins the drafted tree as one more branch (a deterministic path beside the drafter's siblings).

@@ -3,11 +3,13 @@ distribution (the engine-level tests are in ``tests/integration/test_token_trees
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash2.spec.tree import TokenTree, accept_tree, build_trees
+from dflash2.spec.tree import TokenTree, TreeCalibration, accept_tree, build_trees
 
 
 def test_structure_depths_children_paths_and_mask():
@@ -79,3 +81,56 @@ def test_a_lookup_branch_merges_its_shared_prefix_and_appends_the_rest():
         logits[node, target] = 1.0
     verdict = accept_tree(merged, None, logits, None)
     assert verdict.accepted_nodes == [1, 4, 5, 6] and verdict.next_id == 0
+
+
+def test_calibration_learns_the_accepted_share_of_the_draft_probability_per_depth_and_rank():
+    """Root children q = 0.6 / 0.3, accepted 30 % / 10 % of the time; the first child's children
+    q = 0.5, accepted half the time when it is. A lookup node (NaN) and unreached depths stay at 0."""
+    calibration = TreeCalibration(max_depth=3, prior_weight=1.0, decay=1.0)
+    assert calibration.offsets() == [[0.0] * 16] * 3
+    lp = math.log
+    tree = TokenTree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 0], [0.0, lp(0.6), lp(0.3), lp(0.5), math.nan])
+    for i in range(1000):
+        if i % 10 < 3:  # the first child, and half of those times its child too
+            calibration.observe(tree, [1, 3] if i % 20 < 3 else [1])
+        elif i % 10 == 3:
+            calibration.observe(tree, [2])
+        else:
+            calibration.observe(tree, [])
+    offsets = calibration.offsets()
+    assert offsets[0][0] == pytest.approx(math.log(0.3 / 0.6), abs=0.01)
+    assert offsets[0][1] == pytest.approx(math.log(0.1 / 0.3), abs=0.02)
+    assert offsets[1][0] == pytest.approx(math.log(0.5 / 0.5), abs=0.02)
+    assert offsets[0][2:] == [0.0] * 14 and offsets[2] == [0.0] * 16
+    calibration.observe(TokenTree.chain([0, 1, 2]), [1, 2])  # a tree without draft probabilities: not counted
+    assert calibration.offsets() == offsets
+
+
+def test_calibration_forgets_at_its_decay_rate():
+    calibration = TreeCalibration(max_depth=1, prior_weight=1.0, decay=0.9)
+    tree = TokenTree([0, 1], [-1, 0], [0.0, math.log(0.5)])
+    for _ in range(200):
+        calibration.observe(tree, [])  # never accepted
+    for _ in range(200):
+        calibration.observe(tree, [1])  # then always: the early trees have decayed away
+    assert calibration.offsets()[0][0] == pytest.approx(math.log((10 + 1) / (5 + 1)), abs=1e-6)  # sums 1/(1 − 0.9)
+
+
+def test_offsets_reshape_the_tree_and_zero_offsets_change_nothing():
+    generator = torch.Generator().manual_seed(3)
+    candidates = torch.randint(100, (2, 7, 8), generator=generator)
+    log_probs = torch.log_softmax(2 * torch.randn(2, 7, 8, 8, generator=generator), dim=-1)
+    plain = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7])
+    zeros = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], [[[0.0] * 16] * 7, None])
+    assert [(t.token_ids, t.parents) for t in zeros] == [(t.token_ids, t.parents) for t in plain]
+    # Deep nodes distrusted: row 0's tree is shallower and wider; row 1 (no offsets) unchanged.
+    shallow = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], [[[-3.0] * 16] * 7, None])
+    assert max(shallow[0].depths) < max(plain[0].depths)
+    assert sum(d == 1 for d in shallow[0].depths) >= sum(d == 1 for d in plain[0].depths)
+    assert (shallow[1].token_ids, shallow[1].parents) == (plain[1].token_ids, plain[1].parents)
+    # Each node carries its draft log-probability given its parent, uncalibrated.
+    tree = shallow[0]
+    assert tree.draft_log_probs is not None and tree.draft_log_probs[0] == 0.0
+    for node in range(1, len(tree)):
+        assert tree.draft_log_probs[node] <= 0.0
+    assert all(math.isnan(x) for x in tree.with_branch([999, 998], 40).draft_log_probs[len(tree) :])
