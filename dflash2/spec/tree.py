@@ -287,8 +287,8 @@ class TreeCalibration:
     child, with ``c_{d,r} = log((A + w) / (Q + w))`` where, over the drafted nodes at (d, r) whose
     parent was accepted, A counts those accepted and Q sums their q; ``w`` pseudo-observations at
     c = 0 keep a cell not yet seen at the drafter's own numbers. The sums decay by ``decay`` per
-    observed tree, so the offsets follow the workload. Measured (docs/engine.md, "Token trees"): τ
-    2.30 against 2.27 uncalibrated at K = 4, N = 16 (32 prompts, greedy).
+    observed tree, so the offsets follow the workload. Measured (docs/engine.md, "Token trees";
+    ``scripts/tree_tau.py``): τ 2.34 against 2.27 uncalibrated at K = 4, N = 16 (32 prompts, greedy).
 
     Args:
         max_depth: depths tracked (the block's drafted slots).
