@@ -74,7 +74,7 @@ class EngineConfig:
         deterministic: batch-invariant forwards (``dflash2.models.layers.batch_invariant``): a
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
-            oneDNN only; every forward runs eagerly (docs/engine.md, "Deterministic mode").
+            AVX512-BF16 or AMX only; every forward runs eagerly (docs/engine.md, "Deterministic mode").
         tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this
             process and N − 1 workers, one GPU each on CUDA (``dflash2/parallel.py``,
             ``dflash2/models/tensor_parallel.py``); 1 = one process.
