@@ -336,6 +336,20 @@ def summarize_level(
     )
 
 
+def request_payload(model: str, messages: Messages, max_tokens: int, temperature: float) -> dict[str, Any]:
+    """One streamed chat request of the serving load. No ``seed``: a request with a seed of its own
+    verifies full blocks (trees where they are on) without prompt lookup whatever the load, so the
+    adaptive policy under test would never run (each server seeds its requests from its ``--seed``)."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def run_level(
     url: str,
     model: str,
@@ -361,15 +375,7 @@ async def run_level(
                 index = next(counter)
                 if index >= num_requests or time.perf_counter() > deadline:
                     return
-                payload = {
-                    "model": model,
-                    "messages": prompts[index % len(prompts)],
-                    "max_tokens": max_tokens,
-                    "temperature": temperature,
-                    "seed": index,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
+                payload = request_payload(model, prompts[index % len(prompts)], max_tokens, temperature)
                 results.append(await stream_chat(client, url, payload))
 
         await asyncio.gather(*(client_task() for _ in range(concurrency)))

@@ -441,3 +441,11 @@ def test_tensor_parallel_rows_split_the_baseline_and_the_default() -> None:
     assert "--speculative-topk" not in serving.serve_command(trees, serving.ServerSpec("ar"), 8000)
     with pytest.raises(ValueError, match="tensor-parallel rows"):
         BenchConfig(tensor_parallel_rows=(1,))
+
+
+def test_serving_requests_carry_no_seed_so_the_adaptive_policy_runs():
+    """A seeded request verifies full blocks without lookup whatever the load: the serving load leaves
+    the seed to each server's --seed."""
+    payload = serving.request_payload("m", [{"role": "user", "content": "hi"}], 32, 0.0)
+    assert "seed" not in payload
+    assert payload["stream"] is True and payload["max_tokens"] == 32 and payload["temperature"] == 0.0
