@@ -47,15 +47,17 @@ format: install
 # THREADS=N: the most CPU threads (the engine uses fewer while other work keeps the cores busy).
 THREADS ?=
 THREADS_FLAG := $(if $(THREADS),--threads $(THREADS))
+# ARGS="...": more flags for `make serve` / `make generate`, e.g. ARGS="--enforce-eager" to start without compiling.
+ARGS ?=
 
 PROMPT ?= Explain what a binary search does.
 generate: install
-	$(BIN)/dflash2 generate --prompt "$(PROMPT)" $(THREADS_FLAG)
+	$(BIN)/dflash2 generate --prompt "$(PROMPT)" $(THREADS_FLAG) $(ARGS)
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
 serve: install
-	$(BIN)/dflash2 serve --host $(HOST) --port $(PORT) $(THREADS_FLAG)
+	$(BIN)/dflash2 serve --host $(HOST) --port $(PORT) $(THREADS_FLAG) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
