@@ -52,13 +52,14 @@ def _generate(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     first_token_at = None
-    num_tokens = num_steps = num_accepted = num_lookup = 0
+    num_tokens = num_steps = num_accepted = num_lookup = num_tree_steps = 0
     draft_time = select_time = verify_time = 0.0
     select_in_draft = False
     for result in llm.stream(prompt, params):
         stats = result.stats
         select_in_draft = select_in_draft or stats.select_in_draft
         num_lookup += stats.num_lookup_drafts
+        num_tree_steps += stats.num_tree_nodes > 0
         draft_time, select_time, verify_time = (
             draft_time + stats.draft_time,
             select_time + stats.select_time,
@@ -86,7 +87,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"mean acceptance length {tau:.2f}; draft {draft_time * 1e3:.0f} ms, "
         + ("select in draft" if select_in_draft else f"select {select_time * 1e3:.0f} ms")
         + f", verify {verify_time * 1e3:.0f} ms"
-        + (f"; prompt lookup drafted {num_lookup} of {num_steps} steps" if llm.engine.prompt_lookup_max else ""),
+        + (f"; prompt lookup drafted {num_lookup} of {num_steps} steps" if llm.engine.prompt_lookup_max else "")
+        + (f"; {num_tree_steps} of {num_steps} steps verified token trees" if llm.engine.spec.tree_topk > 1 else ""),
         file=sys.stderr,
     )
     return 0

@@ -282,8 +282,10 @@ def _tree(config: EngineConfig, target: Any, drafter: Any | None, block_size: in
                 "its block (give one of them, or --speculative-topk > 1 for a tree)"
             )
         return 1, 0
-    if drafter is None or block_size == 1:
+    if drafter is None:
         raise ValueError("--speculative-topk > 1 verifies token trees of drafted tokens: it needs a drafter")
+    if block_size == 1:
+        raise ValueError("--speculative-topk > 1 verifies token trees of drafted tokens: --block-size 1 drafts none")
     if not hasattr(target, "forward_slots"):  # the transformers fallback
         raise ValueError(f"token trees need a target the project decodes itself, not {type(target).__name__}")
     if config.deterministic:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,16 @@ def test_eval_uses_the_shipped_drafter_by_default(tmp_path):
     # Another target has no shipped drafter: a clear error, not a crash.
     other = ["--model", str(source.resolve_model(None)), "--out", str(tmp_path / "other")]
     assert main([*args, *other]) == 2
+
+
+def test_generate_says_how_many_steps_verified_token_trees(capsys):
+    from dflash2.cli import main
+
+    args = ["generate", "--prompt", "List three colours.", "--max-tokens", "16", "--enforce-eager", "--threads", "2"]
+    tree = ["--speculative-topk", "4", "--speculative-num-draft-tokens", "16", "--no-speculative-adaptive"]
+    assert main([*args, *tree]) == 0
+    summary = capsys.readouterr().err
+    verified = re.search(r"; (\d+) of (\d+) steps verified token trees", summary)
+    assert verified is not None and int(verified.group(1)) > 0, summary
+    assert main(args) == 0  # chains: no tree count
+    assert "token trees" not in capsys.readouterr().err

@@ -204,6 +204,8 @@ def test_settings_and_errors(target):
         EngineConfig(speculative_topk=2, speculative_num_draft_tokens=1)
     with pytest.raises(ValueError, match="needs a drafter"):
         tiny_engine(target, None, speculative_topk=2)
+    with pytest.raises(ValueError, match="--block-size 1 drafts none"):
+        tiny_engine(target, drafter, 1, speculative_topk=2)
     with pytest.raises(ValueError, match="candidates per position"):
         tiny_engine(target, drafter, 8, speculative_topk=drafter.num_candidates + 1)
 
