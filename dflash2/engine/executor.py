@@ -174,11 +174,9 @@ class StepExecutor:
         budget = self.spec.tree_budget(plan.width)
         limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
         # A seeded row's tree must not follow the traffic before it: the drafter's own numbers.
-        offsets = self.tree_calibration.offsets()
-        calibration = [None if r.params.seed is not None else offsets for r in rows]
-        trees = build_trees(
-            candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts, calibration
-        )
+        unseeded = torch.tensor([r.params.seed is None for r in rows], dtype=torch.float32)
+        offsets = (self.tree_calibration.offsets()[None] * unseeded[:, None, None]).to(device)
+        trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts, offsets)
         if plan.branches is not None:  # prompt-lookup drafts as one more branch (nodes beyond the budget)
             room = [self.spec.max_model_len - s for s in starts]
             trees = [t.with_branch(b, n) if b else t for t, b, n in zip(trees, plan.branches, room)]

@@ -157,7 +157,7 @@ def build_trees(
     topk: int,
     num_nodes: list[int],
     max_depths: list[int],
-    depth_offsets: Sequence[Sequence[Sequence[float]] | None] | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> list[TokenTree]:
     """Each row's token tree (EAGLE-2-style dynamic tree over the DFlash 2 lattice).
 
@@ -168,7 +168,7 @@ def build_trees(
 
     A node's score is the sum along its path of ``min(log q(node | parent) + offset_{d,r}, 0)``: the
     draft log-probabilities, calibrated per depth d and rank r among the parent's ``topk`` expansions
-    by ``depth_offsets`` (:class:`TreeCalibration`; 0 = the drafter's own numbers). Capped at 0, a
+    by ``offsets`` (:class:`TreeCalibration`; 0 = the drafter's own numbers). Capped at 0, a
     child never scores above its parent, so the kept set stays closed under parents.
 
     Args:
@@ -179,9 +179,9 @@ def build_trees(
         topk: branching kept per depth, 1 … k.
         num_nodes: per row, the drafted nodes to keep (the root not counted), ≥ 0.
         max_depths: per row, the deepest node allowed (≤ J; fewer near ``max_tokens``).
-        depth_offsets: per row, the calibration offsets ``[depth][rank]`` (index 0 = the root's children;
-            missing entries 0; :meth:`TreeCalibration.offsets`), or None for the row (or for every
-            row): no calibration.
+        offsets: ``[R, D, ranks]`` float calibration offsets per row, depth (index 0 = the root's
+            children) and rank (:meth:`TreeCalibration.offsets` per row; depths and ranks past its
+            size count 0), or None: no calibration.
 
     Returns:
         One :class:`TokenTree` per row with at most ``num_nodes[r] + 1`` nodes, its
@@ -196,17 +196,17 @@ def build_trees(
     depth_limit = min(num_slots, max(max_depths, default=0))
     device = log_probs.device
     rows = torch.arange(num_rows, device=device)
-    offsets = torch.zeros(num_rows, max(depth_limit, 1), topk, device=device)
-    for row, row_offsets in enumerate(depth_offsets or []):
-        for depth, offset in enumerate((row_offsets or [])[:depth_limit]):
-            offsets[row, depth, : len(offset[:topk])] = torch.tensor(offset[:topk])
+    calibration = torch.zeros(num_rows, max(depth_limit, 1), topk, device=device)
+    if offsets is not None:
+        depths, ranks = min(depth_limit, offsets.shape[1]), min(topk, offsets.shape[2])
+        calibration[:, :depths, :ranks] = offsets[:, :depths, :ranks]
     beam_score = torch.zeros(num_rows, 1, device=device)
     beam_index = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
     levels: list[_Level] = []
     for depth in range(depth_limit):
         scores = log_probs[:, depth][rows[:, None], beam_index]  # [R, beam, k]
         child_scores, child_index = scores.topk(topk, dim=-1)  # [R, beam, topk], best first
-        calibrated = (child_scores + offsets[:, depth, None, :]).clamp(max=0.0)
+        calibrated = (child_scores + calibration[:, depth, None, :]).clamp(max=0.0)
         joint = (beam_score[..., None] + calibrated).flatten(1)  # [R, beam · topk]
         child_index = child_index.flatten(1)
         parent_entry = torch.arange(beam_index.shape[1], device=device).repeat_interleave(topk)
@@ -300,41 +300,40 @@ class TreeCalibration:
     def __init__(
         self, max_depth: int, prior_weight: float = 4.0, decay: float = 0.998, bounds: tuple[float, float] = (-4.0, 1.0)
     ) -> None:
-        self.accepted = [[0.0] * MAX_RANKS for _ in range(max_depth)]  # [depth][sibling rank]
-        self.probability = [[0.0] * MAX_RANKS for _ in range(max_depth)]
+        self.accepted = torch.zeros(max_depth, MAX_RANKS, dtype=torch.float64)  # A per [depth, sibling rank]
+        self.probability = torch.zeros(max_depth, MAX_RANKS, dtype=torch.float64)  # Q
         self.prior_weight, self.decay, self.bounds = prior_weight, decay, bounds
 
     def observe(self, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Count one verified tree: every drafted node whose parent was accepted (the root always is)."""
         if tree.draft_log_probs is None:
             return
-        for table in (self.accepted, self.probability):
-            for row in table:
-                row[:] = [x * self.decay for x in row]
         accepted = set(accepted_nodes)
-        depths = tree.depths
-        log_probs = tree.draft_log_probs
+        depths, log_probs = tree.depths, tree.draft_log_probs
+        cells: list[tuple[int, int]] = []
+        probability, hits = [], []
         for parent in (0, *accepted_nodes):
             # Drafted children by draft probability, as the beam ranked them (lookup nodes, NaN, left out).
             drafted = sorted(
                 (c for c in tree.children[parent] if not math.isnan(log_probs[c])), key=lambda c: -log_probs[c]
             )
             for rank, child in enumerate(drafted[:MAX_RANKS]):
-                log_prob, depth = log_probs[child], depths[child]
-                if depth > len(self.accepted):
-                    continue
-                self.probability[depth - 1][rank] += math.exp(log_prob)
-                self.accepted[depth - 1][rank] += child in accepted
+                if depths[child] <= len(self.accepted):
+                    cells.append((depths[child] - 1, rank))
+                    probability.append(math.exp(log_probs[child]))
+                    hits.append(float(child in accepted))
+        self.accepted.mul_(self.decay)
+        self.probability.mul_(self.decay)
+        if cells:
+            index = tuple(torch.tensor(cells).T)
+            self.probability.index_put_(index, torch.tensor(probability, dtype=torch.float64), accumulate=True)
+            self.accepted.index_put_(index, torch.tensor(hits, dtype=torch.float64), accumulate=True)
 
-    def offsets(self) -> list[list[float]]:
-        """``c_{d,r}`` per depth (index 0 = the root's children) and sibling rank (best first), for
-        :func:`build_trees`."""
-        lowest, highest = self.bounds
+    def offsets(self) -> torch.Tensor:
+        """``c_{d,r}``: ``[max_depth, MAX_RANKS]`` float32 per depth (index 0 = the root's children) and
+        sibling rank (best first), for :func:`build_trees`."""
         w = self.prior_weight
-        return [
-            [min(max(math.log((a + w) / (q + w)), lowest), highest) for a, q in zip(acc, prob)]
-            for acc, prob in zip(self.accepted, self.probability)
-        ]
+        return ((self.accepted + w) / (self.probability + w)).log().clamp(*self.bounds).float()
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_calibration_learns_the_accepted_share_of_the_draft_probability_per_dept
     """Root children q = 0.6 / 0.3, accepted 30 % / 10 % of the time; the first child's children
     q = 0.5, accepted half the time when it is. A lookup node (NaN) and unreached depths stay at 0."""
     calibration = TreeCalibration(max_depth=3, prior_weight=1.0, decay=1.0)
-    assert calibration.offsets() == [[0.0] * 16] * 3
+    assert calibration.offsets().tolist() == [[0.0] * 16] * 3
     lp = math.log
     tree = TokenTree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 0], [0.0, lp(0.6), lp(0.3), lp(0.5), math.nan])
     for i in range(1000):
@@ -97,13 +97,13 @@ def test_calibration_learns_the_accepted_share_of_the_draft_probability_per_dept
             calibration.observe(tree, [2])
         else:
             calibration.observe(tree, [])
-    offsets = calibration.offsets()
+    offsets = calibration.offsets().tolist()
     assert offsets[0][0] == pytest.approx(math.log(0.3 / 0.6), abs=0.01)
     assert offsets[0][1] == pytest.approx(math.log(0.1 / 0.3), abs=0.02)
     assert offsets[1][0] == pytest.approx(math.log(0.5 / 0.5), abs=0.02)
     assert offsets[0][2:] == [0.0] * 14 and offsets[2] == [0.0] * 16
     calibration.observe(TokenTree.chain([0, 1, 2]), [1, 2])  # a tree without draft probabilities: not counted
-    assert calibration.offsets() == offsets
+    assert calibration.offsets().tolist() == offsets
 
 
 def test_calibration_forgets_at_its_decay_rate():
@@ -113,7 +113,9 @@ def test_calibration_forgets_at_its_decay_rate():
         calibration.observe(tree, [])  # never accepted
     for _ in range(200):
         calibration.observe(tree, [1])  # then always: the early trees have decayed away
-    assert calibration.offsets()[0][0] == pytest.approx(math.log((10 + 1) / (5 + 1)), abs=1e-6)  # sums 1/(1 − 0.9)
+    assert calibration.offsets()[0][0].item() == pytest.approx(
+        math.log((10 + 1) / (5 + 1)), abs=1e-6
+    )  # sums 1/(1 − 0.9)
 
 
 def test_offsets_reshape_the_tree_and_zero_offsets_change_nothing():
@@ -121,10 +123,12 @@ def test_offsets_reshape_the_tree_and_zero_offsets_change_nothing():
     candidates = torch.randint(100, (2, 7, 8), generator=generator)
     log_probs = torch.log_softmax(2 * torch.randn(2, 7, 8, 8, generator=generator), dim=-1)
     plain = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7])
-    zeros = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], [[[0.0] * 16] * 7, None])
+    zeros = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], torch.zeros(2, 7, 16))
     assert [(t.token_ids, t.parents) for t in zeros] == [(t.token_ids, t.parents) for t in plain]
     # Deep nodes distrusted: row 0's tree is shallower and wider; row 1 (no offsets) unchanged.
-    shallow = build_trees(candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], [[[-3.0] * 16] * 7, None])
+    shallow = build_trees(
+        candidates, log_probs, [5, 6], 4, [15, 15], [7, 7], torch.tensor([-3.0, 0.0])[:, None, None].expand(2, 7, 16)
+    )
     assert max(shallow[0].depths) < max(plain[0].depths)
     assert sum(d == 1 for d in shallow[0].depths) >= sum(d == 1 for d in plain[0].depths)
     assert (shallow[1].token_ids, shallow[1].parents) == (plain[1].token_ids, plain[1].parents)
