@@ -34,7 +34,7 @@ from dflash2.models.batch import ForwardBatch
 from dflash2.models.cpu_kernels import AVX512_BF16
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
-from dflash2.models.layers import BACKEND_NAMES, batch_invariant_enabled, invariant_kernel_available, linear_backend
+from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
@@ -210,10 +210,9 @@ class ModelRunner:
         width = max(len(row) for row in token_rows)
         if self._target_forward is not None:
             logits, features = self._target_call(slots, token_rows, starts)
-        elif isinstance(self.target, TargetModel) and not batch_invariant_enabled():
-            # The compiled graphs' method, run eagerly. Not in deterministic mode: its key range is the
-            # batch's longest, and a product over padded keys sums in another order than the same row's
-            # alone (seen with oneDNN on AMX); the ragged forward below reads each row's own keys.
+        elif isinstance(self.target, TargetModel):
+            # The compiled graphs' method, run eagerly (deterministic mode too: its attention skips the
+            # masked keys past a row's own end, so the batch's longest key range changes no bits).
             rows = target_inputs(slots, token_rows, starts, width, len(slots), self.scratch_slot)
             input_ids, positions, write_slots, write_positions = (t.to(self.device) for t in rows[:4])
             # The exact key range: the eager attention then reads what the ragged prefill reads.
@@ -223,7 +222,7 @@ class ModelRunner:
                 logits, features = self.target.forward_slots(
                     input_ids, positions, write_slots, write_positions, *reads, self.capture_layer_ids
                 )
-        else:  # the transformers fallback, and batch-invariant steps
+        else:  # the transformers fallback
             batch = ForwardBatch.build(slots, token_rows, starts, self.device)
             return self.target.run(batch, self.target_cache, self.capture_layer_ids)
         return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
