@@ -9,7 +9,8 @@ Runs with the machine's preinstalled torch and no downloads, in a few minutes on
 3. bfloat16 timings, eager vs compiled (CUDA graphs on CUDA), batch 1: an autoregressive step,
    verify of 8 and 16 tokens, and the 5-layer DFlash 2 drafter's block of 8; then the projected
    speedup of DFlash 2 over autoregressive decoding at τ = 4.8.
-4. Token-tree verify of 8, 16, 32 and 64 nodes beside the chain of 8 (eager and compiled).
+4. Token-tree verify of 8, 16, 32 and 64 nodes beside the chain of 8 (eager and compiled: one CUDA
+   graph per node bucket), after a float32 greedy check of trees through the compiled tree forward.
 5. Tensor parallelism: whether NCCL TP can run here (two GPUs or more); if so, 2 ranks (one process
    per GPU) time a bfloat16 verify of 8 tokens on their shards, eager and compiled, and the all-reduces
    and the logits' all-gather of that step alone: the collectives' share of a TP step. On a CPU dry run
@@ -107,8 +108,9 @@ class OracleDrafter(DFlashDrafter):
         return torch.nn.functional.one_hot(planned, self.config.vocab_size).float() * 20.0
 
 
-def check_greedy(config: Any, device: torch.device, num_tokens: int) -> tuple[bool, float]:
-    """Float32: eager AR tokens == compiled-verify speculative tokens with an oracle drafter."""
+def check_greedy(config: Any, device: torch.device, num_tokens: int, topk: int = 1) -> tuple[bool, float]:
+    """Float32: eager AR tokens == compiled-verify speculative tokens with an oracle drafter (token trees
+    of ``topk`` branches and 16 nodes through the compiled tree forward when ``topk`` > 1)."""
     target = random_target(config, torch.float32, device)
     prompt = list(range(3, 40))
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -122,8 +124,10 @@ def check_greedy(config: Any, device: torch.device, num_tokens: int) -> tuple[bo
     oracle = oracle.to(device)
     # Full blocks: the adaptive policy would measure the oracle's cost and may decline to draft,
     # leaving the verify path untested (τ 1.00 on the first H200 run).
-    spec = Engine(EngineConfig(block_size=8, speculative_adaptive=False, **base), target, None, oracle)
+    trees = {"speculative_topk": topk, "speculative_num_draft_tokens": 16} if topk > 1 else {}
+    spec = Engine(EngineConfig(block_size=8, speculative_adaptive=False, **base, **trees), target, None, oracle)
     assert spec.runner.compiled, "the target's verify forward did not compile"
+    assert topk == 1 or spec.runner._tree_forward is not None, "the tree forward did not compile"
     out = LLM.from_engine(spec).generate(prompt, params)[0]
     return out.token_ids == reference, out.mean_acceptance_length
 
@@ -177,7 +181,8 @@ TREE_NODES = (8, 16, 32, 64)
 def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, float]:
     """Milliseconds of one tree-masked verify forward (``ModelRunner.verify_tree``) at batch 1 after 1024
     tokens, for each node count in :data:`TREE_NODES` (a binary tree: node i's parent is (i − 1) // 2).
-    Trees run compiled on CPU only; CUDA verifies them eagerly for now."""
+    Compiled: CUDA graphs recorded per node bucket (``dflash2.runner.cache.node_buckets``) on CUDA, one
+    dynamic inductor graph on CPU."""
     from dflash2.spec.tree import TokenTree
 
     target = random_target(config, torch.bfloat16, device)
@@ -290,6 +295,12 @@ def main() -> int:
         f"- float32 greedy, compiled verify + oracle drafter vs eager AR, {args.tokens} tokens: "
         f"{'identical' if same else 'DIFFERENT'} (τ {tau:.2f}; {time.perf_counter() - start:.0f} s)"
     )
+    start = time.perf_counter()
+    same, tau = check_greedy(config, device, args.tokens, topk=4)
+    lines.append(
+        f"- the same with token trees (K = 4, N = 16, compiled tree forward): "
+        f"{'identical' if same else 'DIFFERENT'} (τ {tau:.2f}; {time.perf_counter() - start:.0f} s)"
+    )
     print("\n".join(lines), flush=True)
 
     rows = []
@@ -323,7 +334,7 @@ def main() -> int:
         )
         print(tree_rows[-1], flush=True)
     lines += [
-        "Token-tree verify (one tree-masked forward; CUDA runs it eagerly in both modes for now), ms:",
+        "Token-tree verify (one tree-masked forward; compiled = CUDA graphs per node bucket on CUDA), ms:",
         "",
         "| forwards | chain of 8 | " + " | ".join(f"tree of {n}" for n in TREE_NODES) + " |",
         "|---|---|" + "---|" * len(TREE_NODES),

@@ -51,6 +51,10 @@ class Verified:
             ``features`` and ``draft_lists`` then follow each row's accepted path, as a chain's would.
         spine_accepted: per row of a tree step, the accepted nodes that were their parent's first child
             (what the chain of first-ranked drafts would have accepted); None for a chain step.
+        tree_accepted: per row of a tree step, the accepted nodes that the drafter proposed (what its
+            tree alone would have accepted; a prompt-lookup branch's own nodes not counted).
+        branch_accepted: per row of a tree step with a prompt-lookup branch, how many of the branch's
+            drafts were accepted (None for a row without one); None without branches.
     """
 
     plan: Plan
@@ -67,6 +71,8 @@ class Verified:
     grammar_seconds: float = 0.0
     tree_nodes: int = 0
     spine_accepted: list[int] | None = None
+    tree_accepted: list[int] | None = None
+    branch_accepted: list[int | None] | None = None
 
 
 class StepExecutor:
@@ -177,6 +183,7 @@ class StepExecutor:
         unseeded = torch.tensor([r.params.seed is None for r in rows], dtype=torch.float32)
         offsets = (self.tree_calibration.offsets()[None] * unseeded[:, None, None]).to(device)
         trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts, offsets)
+        drafted = [len(tree) for tree in trees]  # the drafter's nodes come first in each tree
         if plan.branches is not None:  # prompt-lookup drafts as one more branch (nodes beyond the budget)
             room = [self.spec.max_model_len - s for s in starts]
             trees = [t.with_branch(b, n) if b else t for t, b, n in zip(trees, plan.branches, room)]
@@ -188,7 +195,7 @@ class StepExecutor:
         # The same count of uniforms per row on every tree step, whatever the tree's shape: one per child
         # tried (at most the budget's nodes and a lookup branch's) and one for the next token.
         uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + self.spec.block_size + 1)
-        paths, next_ids, spine = [], [], []
+        paths, next_ids, spine, by_drafter = [], [], [], []
         for i, tree in enumerate(trees):
             n = len(tree)
             verdict = accept_tree(
@@ -201,7 +208,14 @@ class StepExecutor:
             self.tree_calibration.observe(tree, verdict.accepted_nodes)
             paths.append([0, *verdict.accepted_nodes])
             next_ids.append(verdict.next_id)
-            spine.append(_spine_length(tree, verdict.accepted_nodes))
+            spine.append(_spine_length(tree, verdict.accepted_nodes, drafted[i]))
+            by_drafter.append(_prefix_below(verdict.accepted_nodes, drafted[i]))
+        branch_accepted = None
+        if plan.branches is not None:
+            branch_accepted = [
+                _common_prefix([tree.token_ids[n] for n in path[1:]], branch) if branch else None
+                for tree, path, branch in zip(trees, paths, plan.branches)
+            ]
         index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
         return Verified(
             plan,
@@ -215,6 +229,8 @@ class StepExecutor:
             verify_seconds=time.perf_counter() - start,
             tree_nodes=sum(len(tree) - 1 for tree in trees),
             spine_accepted=spine,
+            tree_accepted=by_drafter,
+            branch_accepted=branch_accepted,
         )
 
     def _draft(self, rows: list[Request], width: int) -> Drafted:
@@ -278,14 +294,25 @@ def _uniforms(request: Request, n: int) -> torch.Tensor:
     return torch.rand(n, generator=request.generator)
 
 
-def _spine_length(tree: TokenTree, accepted_nodes: list[int]) -> int:
-    """How many of the accepted nodes, from the root down, are their parent's first (best-ranked) child."""
+def _spine_length(tree: TokenTree, accepted_nodes: list[int], drafted: int) -> int:
+    """How many of the accepted nodes, from the root down, are their parent's first (best-ranked) child
+    among the drafter's nodes (the first ``drafted`` of the tree)."""
     count = 0
     for node in accepted_nodes:
-        if tree.children[tree.parents[node]][0] != node:
+        if node >= drafted or tree.children[tree.parents[node]][0] != node:
             break
         count += 1
     return count
+
+
+def _prefix_below(nodes: list[int], limit: int) -> int:
+    """How many of ``nodes``, from the first, are below ``limit``."""
+    return next((i for i, node in enumerate(nodes) if node >= limit), len(nodes))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _along(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,13 @@ class SpeculationPolicy:
     # ---- before the step ---------------------------------------------------------------------
 
     def plan(self, rows: list[Request]) -> Plan:
-        """This step's plan for ``rows`` (they decode together)."""
+        """This step's plan for ``rows`` (they decode together).
+
+        With the adaptive policy the candidates are: no draft or a chain of the best width
+        (``choose_width``), a token tree of the best width where trees are on, its prediction counting
+        the rows' prompt-lookup drafts as the branch they would join (:func:`expected_tokens_with_branch`),
+        and the lookup drafts alone, which skip the drafter's forward (``choose_lookup_width``). The step
+        takes whichever predicts the most tokens per second."""
         limits = self.num_drafts(rows)
         trees = self.spec.tree and tree_rows(rows)
         choice = self._choose_width(rows, limits)
@@ -151,10 +157,10 @@ class SpeculationPolicy:
             source = DraftSource.DRAFTER if self.spec.speculative else DraftSource.NONE
             width = self.spec.block_size
             return Plan(source, width, [min(n, width - 1) for n in limits], tree=trees)
-        tree = self._choose_tree(rows, limits, choice) if trees else None
+        drafts = self._lookup_drafts(rows, limits)
+        tree = self._choose_tree(rows, limits, choice, drafts) if trees else None
         if tree is not None:
             choice = tree
-        drafts = self._lookup_drafts(rows, limits)
         lookup = self._lookup_plan(rows, limits, choice, drafts) if drafts is not None else None
         if lookup is not None:
             return lookup
@@ -162,8 +168,8 @@ class SpeculationPolicy:
         num_drafts = [min(n, choice.width - 1) for n in limits]
         if tree is None:
             return Plan(source, choice.width, num_drafts, choice.predicted_tokens)
-        # Lookup drafts the step did not choose alone still ride along as a branch of each row's tree: no
-        # drafter forward for them, a few more nodes in the same verify.
+        # The lookup drafts ride along as a branch of each row's tree: no drafter forward for them, a few
+        # more nodes in the same verify.
         branches = None if drafts is None else [d[:n] for d, n in zip(drafts, num_drafts)]
         return Plan(source, choice.width, num_drafts, choice.predicted_tokens, tree=True, branches=branches)
 
@@ -184,19 +190,30 @@ class SpeculationPolicy:
             min_width=self.spec.block_size if seeded(rows) else 1,
         )
 
-    def _choose_tree(self, rows: list[Request], limits: list[int], chain: WidthChoice) -> WidthChoice | None:
+    def _choose_tree(
+        self, rows: list[Request], limits: list[int], chain: WidthChoice, drafts: list[list[int]] | None
+    ) -> WidthChoice | None:
         """The best token-tree width when it predicts more tokens per second than ``chain`` (the best chain
-        or no draft), else None: E_r from each row's per-depth tree acceptance, the cost from the tree
-        tables (:meth:`CostModel.tree_seconds`). A seeded row's full block is a tree whenever it can be."""
+        or no draft), else None: E_r from each row's per-depth tree acceptance and, where the row has a
+        prompt-lookup draft (``drafts``), its lookup acceptance for the branch the draft joins; the cost
+        from the tree tables (:meth:`CostModel.tree_seconds`). A seeded row's full block is a tree
+        whenever it can be."""
         assert self.cost_model is not None
         if not any(limits):
             return None
+        branches = None
+        if drafts is not None:
+            branches = [
+                (r.lookup_acceptance.values if r.lookup_acceptance is not None else (), len(d))
+                for r, d in zip(rows, drafts)
+            ]
         tree = choose_width(
             [r.tree_acceptance.values for r in rows if r.tree_acceptance is not None],
             limits,
             [w for w in self.cost_model.widths if w > 1],
             self.cost_model.tree_seconds,
             min_width=self.spec.block_size if seeded(rows) else 2,
+            branches=branches,
         )
         if seeded(rows) or tree.rates.get(tree.width, 0.0) > chain.rates.get(chain.width, 0.0):
             return tree
@@ -256,17 +273,25 @@ class SpeculationPolicy:
         self.cost_model.observe(num_rows, plan.verify_width, verify_seconds, draft)
 
     def observe(
-        self, request: Request, num_drafts: int, num_accepted: int, lookup: bool, spine_accepted: int | None = None
+        self,
+        request: Request,
+        num_drafts: int,
+        num_accepted: int,
+        lookup: bool,
+        spine_accepted: int | None = None,
+        branch: tuple[int, int] | None = None,
     ) -> None:
         """Fold a row's verify outcome into the estimates for the source of its drafts (prompt lookup or
-        the drafter); the other source's estimate relaxes toward its engine-wide one, so a row that
-        stopped using a source tries it again later.
+        the drafter); a source the step did not use relaxes toward its engine-wide estimate, so a row
+        that stopped using a source tries it again later.
 
         A token tree's outcome (``spine_accepted`` given: how many of the accepted nodes were first-ranked
-        children) teaches both drafter estimates: the tree's per depth from the accepted path, the
-        chain's from its first-ranked spine, which is the path a chain step would have verified (for
-        greedy rows; a sampled chain walks the lattice with its own draws, close to the spine). A chain
-        step teaches only the chain's; the tree's then relaxes toward its engine-wide one."""
+        children; ``num_accepted``: the accepted nodes the drafter proposed) teaches both drafter
+        estimates: the tree's per depth from the accepted path, the chain's from its first-ranked spine,
+        which is the path a chain step would have verified (for greedy rows; a sampled chain walks the
+        lattice with its own draws, close to the spine). A prompt-lookup branch verified in the tree
+        (``branch``: its drafts and how many were accepted) teaches the lookup estimate as a lookup step
+        would. A chain step teaches only the chain's; the tree's then relaxes toward its engine-wide one."""
         if request.acceptance is None:
             return
         tree_estimate = request.tree_acceptance
@@ -286,7 +311,10 @@ class SpeculationPolicy:
             if tree_estimate is not None:
                 _fold(tree_estimate, self.tree_acceptance, num_drafts, num_accepted)
         if request.lookup_acceptance is not None:
-            request.lookup_acceptance.relax(self.lookup_acceptance.values)
+            if branch is not None:
+                _fold(request.lookup_acceptance, self.lookup_acceptance, *branch)
+            else:
+                request.lookup_acceptance.relax(self.lookup_acceptance.values)
 
     def end_step(self, plan: Plan) -> None:
         """After every row was observed: a step where the drafter's acceptance was not observed lets its
@@ -297,7 +325,7 @@ class SpeculationPolicy:
             self.acceptance.idle_step()
         if self.cost_model is not None and self.spec.tree and not plan.tree:
             self.tree_acceptance.idle_step()
-        if self.spec.prompt_lookup_max and not lookup:
+        if self.spec.prompt_lookup_max and not lookup and not any(plan.branches or ()):
             self.lookup_acceptance.idle_step()
 
 

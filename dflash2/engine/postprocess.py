@@ -72,8 +72,15 @@ class Postprocessor:
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self.commit_tokens(request, emitted, logprob_rows, stats)
             _count_acceptance(request, acc, len(committed), plan.num_drafts[i], stats)
-            spine = None if verified.spine_accepted is None else verified.spine_accepted[i]
-            self.policy.observe(request, plan.num_drafts[i], acc, plan.source is DraftSource.LOOKUP, spine)
+            spine = branch = None
+            drafted = acc  # accepted drafts the drafter proposed (a tree's lookup branch is taught apart)
+            if verified.spine_accepted is not None and verified.tree_accepted is not None:
+                spine, drafted = verified.spine_accepted[i], verified.tree_accepted[i]
+            if plan.branches is not None and verified.branch_accepted is not None:
+                accepted = verified.branch_accepted[i]
+                branch = None if accepted is None else (len(plan.branches[i]), accepted)
+            lookup = plan.source is DraftSource.LOOKUP
+            self.policy.observe(request, plan.num_drafts[i], drafted, lookup, spine, branch)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step
         self.policy.end_step(plan)
         if self.spec.speculative and verified.features is not None:

@@ -24,6 +24,9 @@ KEY_ALIGN = 64
 # and key lengths to a power of two of at least CUDA_MIN_KEYS.
 CUDA_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_MIN_KEYS = 256
+# A token-tree verify's nodes per row (the root included) are padded to one of these on CUDA, the
+# largest tree the engine builds being the last bucket.
+CUDA_NODE_BUCKETS = (8, 16, 32, 64, 128, 256)
 
 
 @dataclasses.dataclass
@@ -39,6 +42,23 @@ class PendingWrites:
 def bucket_rows(num_rows: int, max_rows: int) -> int:
     """The CUDA row bucket that holds ``num_rows`` rows (``max_rows`` past the last bucket)."""
     return next((b for b in CUDA_ROW_BUCKETS if b >= num_rows), max_rows)
+
+
+def node_buckets(max_nodes: int) -> list[int]:
+    """The CUDA node buckets of a runner whose largest token tree has ``max_nodes`` nodes (root included):
+    each of :data:`CUDA_NODE_BUCKETS` below it, then ``max_nodes`` itself."""
+    return [*(b for b in CUDA_NODE_BUCKETS if b < max_nodes), max_nodes]
+
+
+def bucket_nodes(num_nodes: int, max_nodes: int) -> int:
+    """The CUDA node bucket that holds a tree of ``num_nodes`` nodes (:func:`node_buckets`).
+
+    Raises:
+        ValueError: when ``num_nodes`` exceeds ``max_nodes``.
+    """
+    if num_nodes > max_nodes:
+        raise ValueError(f"a token tree of {num_nodes} nodes is larger than the runner's {max_nodes}")
+    return next(b for b in node_buckets(max_nodes) if b >= num_nodes)
 
 
 def key_length(max_end: int, capacity: int, cuda: bool) -> int:

@@ -43,7 +43,7 @@ from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
 from dflash2.precompiled import PrecompiledForward
-from dflash2.runner.cache import CUDA_ROW_BUCKETS, PendingWrites, bucket_rows
+from dflash2.runner.cache import CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
 
@@ -402,7 +402,7 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
     if isinstance(runner.target, TargetModel):
         target = CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids).eval()
         modules.append(("target", target))
-        if runner.tree_nodes and runner.device.type == "cpu":  # CUDA verifies trees eagerly for now
+        if runner.tree_nodes:  # CPU: one dynamic graph; CUDA: a graph per (rows, nodes) bucket
             modules.append(("tree", CompiledTreeTarget(target).eval()))
     else:
         logger.info("the %s target runs eagerly (no static forward)", type(runner.target).__name__)
@@ -490,10 +490,13 @@ def _row_buckets(runner: ModelRunner) -> list[int]:
 
 def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> None:
     """Build every graph now (rows on the scratch slot only), not in the middle of a request:
-    per row bucket, the drafter's block and the selector, and the target and the context append
-    at width 1 and at the block width (on CPU one graph covers every width from 2 up)."""
+    per row bucket, the drafter's block and the selector, the target and the context append at
+    width 1 and at the block width (on CPU one graph covers every width from 2 up), and the token-tree
+    forward (on CUDA at every node bucket, :func:`~dflash2.runner.cache.node_buckets`)."""
     cuda, block_size, device, drafting = runner.device.type == "cuda", runner.block_size, runner.device, runner.drafting
     widths = dict.fromkeys((1, block_size)) if name in ("target", "context") else {block_size: None}
+    if name == "tree":  # nodes per row, the root included: every bucket with CUDA graphs
+        widths = dict.fromkeys(node_buckets(runner.max_tree_nodes) if cuda else [runner.tree_nodes + 1])
     for num_rows in dict.fromkeys(_row_buckets(runner)):
         for width in widths:
             start = time.perf_counter()
@@ -502,7 +505,7 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
                 if name == "target":
                     runner._target_call(slots, [[0] * width] * num_rows, [0] * num_rows, forward)
                 elif name == "tree":
-                    chain = TokenTree.chain([0] * (runner.tree_nodes + 1))
+                    chain = TokenTree.chain([0] * width)
                     runner._tree_call(slots, [chain] * num_rows, [0] * num_rows, forward)
                 elif name == "context":
                     assert drafting is not None
@@ -516,6 +519,8 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
             elapsed = time.perf_counter() - start
             rows_label = f"{num_rows}{'+' if num_rows > 1 and not cuda else ''}"
             width_label = f" width={'2+' if width > 1 and not cuda else width}" if len(widths) > 1 else ""
+            if name == "tree" and cuda:
+                width_label = f" nodes={width}"
             graph = f"{name} rows={rows_label}{width_label}"
             source = getattr(forward, "last_source", None) or "compiled"
             runner.compile_times[graph], runner.graph_sources[graph] = elapsed, source

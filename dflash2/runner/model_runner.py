@@ -39,6 +39,7 @@ from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
 from dflash2.runner.cache import (
+    bucket_nodes,
     bucket_rows,
     key_length,
     layer_caches,
@@ -293,6 +294,12 @@ class ModelRunner:
                 )
         return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
 
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most nodes, the root included, of a token tree this runner verifies: the node budget and a
+        prompt-lookup branch of up to ``block_size − 1`` drafts beside it."""
+        return self.tree_nodes + self.block_size
+
     def _tree_call(
         self,
         slots: list[int],
@@ -300,19 +307,28 @@ class ModelRunner:
         starts: list[int],
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled tree forward (CPU; rows and width dynamic, at least two nodes per row)."""
+        """The compiled tree forward: on CPU one graph (rows, nodes and keys dynamic, at least two nodes
+        per row); with CUDA graphs nodes are padded to a node bucket (:func:`bucket_nodes`), rows to a
+        row bucket and keys to a power of two, one recorded graph per (rows, nodes) bucket. Padding
+        nodes and rows write the scratch slot and see only themselves, as a narrower tree's padding
+        does on CPU."""
         forward = self._tree_forward if forward is None else forward
         assert forward is not None
         with compiled_mode():
-            width = max(2, *(len(tree) for tree in trees))
+            num_rows, width = len(slots), max(2, *(len(tree) for tree in trees))
+            padded_rows = num_rows
+            if self._cuda:
+                width, padded_rows = bucket_nodes(width, self.max_tree_nodes), bucket_rows(num_rows, self.num_slots)
             inputs = [
-                t.to(self.device) for t in tree_inputs(slots, trees, starts, width, len(slots), self.scratch_slot)
+                t.to(self.device) for t in tree_inputs(slots, trees, starts, width, padded_rows, self.scratch_slot)
             ]
             max_end = max(s + len(tree) for s, tree in zip(starts, trees))
-            keys = torch.arange(key_length(max_end, self.max_model_len, False), device=self.device)
-            mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]])  # CPU only
-            torch._dynamo.maybe_mark_dynamic(inputs[5], 2)
-            return forward(*inputs, keys)
+            keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda), device=self.device)
+            mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]], static=self._cuda)
+            if not self._cuda:
+                torch._dynamo.maybe_mark_dynamic(inputs[5], 2)
+            logits, features = forward(*inputs, keys)
+        return logits[:num_rows], features[:num_rows]
 
     def commit_tree(self, slot: int, start: int, accepted_nodes: Sequence[int]) -> None:
         """Move the accepted path's target K/V (written at ``start + node``) to ``start + 1 …`` in order;

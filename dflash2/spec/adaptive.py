@@ -70,10 +70,27 @@ def expected_tokens(acceptance: Sequence[float], num_drafts: int) -> float:
     """Expected tokens one verify step commits with ``num_drafts`` drafts: the bonus or correction
     token plus each draft whose whole prefix is accepted (``acceptance[i]``: P(draft i+1 accepted |
     drafts 1..i accepted))."""
-    total, survive = 1.0, 1.0
-    for i in range(num_drafts):
-        survive *= acceptance[i] if i < len(acceptance) else 0.0
-        total += survive
+    return expected_tokens_with_branch(acceptance, num_drafts, (), 0)
+
+
+def expected_tokens_with_branch(
+    acceptance: Sequence[float], num_drafts: int, branch_acceptance: Sequence[float], branch_drafts: int
+) -> float:
+    """Expected tokens of a tree step that also verifies a prompt-lookup branch: the tree's drafts
+    (``acceptance``, ``num_drafts`` deep) and the branch's (``branch_acceptance``, ``branch_drafts``
+    long) both hang from the anchor, and the step commits the longer accepted path, so
+
+        E = 1 + Σ_j P(either path accepted to depth j) ≥ 1 + Σ_j max(S_tree(j), S_branch(j))
+
+    with ``S(j)`` a path's survival to depth j (the product of its conditional acceptances). The
+    policy takes the lower bound: the two are strongly correlated (a branch that agrees with the
+    drafter's first tokens merges into the tree), so adding them as independent chances would
+    overrate the step. Without a branch (``branch_drafts`` 0) this is :func:`expected_tokens`."""
+    total, tree, branch = 1.0, 1.0, 1.0
+    for i in range(max(num_drafts, branch_drafts)):
+        tree *= acceptance[i] if i < min(num_drafts, len(acceptance)) else 0.0
+        branch *= branch_acceptance[i] if i < min(branch_drafts, len(branch_acceptance)) else 0.0
+        total += max(tree, branch)
     return total
 
 
@@ -375,6 +392,7 @@ def choose_width(
     widths: Sequence[int],
     seconds: Callable[[int, int], float],
     min_width: int = 1,
+    branches: Sequence[tuple[Sequence[float], int]] | None = None,
 ) -> WidthChoice:
     """The verify width that maximises predicted committed tokens per second.
 
@@ -384,20 +402,30 @@ def choose_width(
         widths: candidate widths (each 1 … B).
         seconds: ``seconds(R, W)``, the predicted step time.
         min_width: the narrowest allowed (B when a seeded row needs its full block).
+        branches: for a token-tree step that verifies prompt-lookup drafts as one more branch, per row
+            the lookup's conditional acceptance and its draft's length (0: none); a row's expected
+            tokens are then :func:`expected_tokens_with_branch`'s, the branch cut to the width too.
 
     Returns:
         The choice; ties go to the narrower width (less compute for the same rate).
     """
     rows = len(acceptance)
     candidates = sorted(w for w in widths if w >= min_width)
+    lookup = branches if branches is not None else [((), 0)] * rows
+
+    def predicted(width: int) -> float:
+        return sum(
+            expected_tokens_with_branch(a, min(width - 1, limit), b, min(width - 1, n))
+            for a, limit, (b, n) in zip(acceptance, limits, lookup)
+        )
+
     if all(math.isinf(seconds(rows, w)) for w in candidates):  # nothing measured: the full block
         best = candidates[-1]
-        predicted = sum(expected_tokens(a, min(best - 1, limit)) for a, limit in zip(acceptance, limits))
-        return WidthChoice(best, predicted, {})
+        return WidthChoice(best, predicted(best), {})
     rates: dict[int, float] = {}
     tokens: dict[int, float] = {}
     for width in candidates:
-        tokens[width] = sum(expected_tokens(a, min(width - 1, limit)) for a, limit in zip(acceptance, limits))
+        tokens[width] = predicted(width)
         cost = seconds(rows, width)
         rates[width] = tokens[width] / cost if cost > 0 else math.inf
     best = max(rates, key=lambda w: (rates[w], -w))

@@ -8,8 +8,12 @@ import torch
 
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig, EngineSpec
+from dflash2.engine import executor
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
+from dflash2.runner import ModelRunner
+from dflash2.runner.cache import bucket_nodes, node_buckets
+from dflash2.runner.compile import CompiledTarget, CompiledTreeTarget
 from dflash2.spec.adaptive import CostModel
 from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
@@ -249,6 +253,36 @@ class TreeCosts(CostModel):
         pass
 
 
+def test_node_buckets_cover_every_tree_up_to_the_largest():
+    assert node_buckets(24) == [8, 16, 24] and node_buckets(8) == [8] and node_buckets(5) == [5]
+    assert [bucket_nodes(n, 24) for n in (2, 8, 9, 16, 17, 24)] == [8, 8, 16, 16, 24, 24]
+    with pytest.raises(ValueError, match="25 nodes is larger than the runner's 24"):
+        bucket_nodes(25, 24)
+
+
+def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatch):
+    """The tree forward with CUDA graphs' static shapes (nodes padded to a node bucket, rows to a row
+    bucket, keys to a power of two), run here on CPU through the same module: each row's logits at its
+    own nodes equal the eager tree forward's, and the padding is cut from what it returns."""
+    target = tiny_target("llama")
+    runner = ModelRunner(target, None, 4, 128, 8, enforce_eager=True, tree_nodes=16)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2], [11, 3, 6, 9, 12, 1, 2]]
+    runner.prefill([0, 1, 2], prompts, [0, 0, 0])
+    trees = [
+        TokenTree([1, 20, 21, 22, 23, 24], [-1, 0, 0, 1, 1, 3]),
+        TokenTree.chain([2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39]),  # 11 nodes: the bucket of 16
+        TokenTree([2, 40, 41], [-1, 0, 0]),
+    ]
+    starts = [len(p) for p in prompts]
+    eager, _ = runner.verify_tree([0, 1, 2], trees, starts)
+    module = CompiledTreeTarget(CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids)).eval()
+    monkeypatch.setattr(runner, "_cuda", True)  # static shapes, as CUDA graphs record them
+    padded, _ = runner._tree_call([0, 1, 2], trees, starts, forward=module)
+    assert padded.shape[:2] == (3, 16)  # 3 rows (4 ran: the row bucket), 11 nodes padded to 16
+    for row, tree in enumerate(trees):
+        torch.testing.assert_close(padded[row, : len(tree)], eager[row, : len(tree)], rtol=1e-5, atol=1e-5)
+
+
 def test_adaptive_policy_prices_trees_against_chains_and_no_draft(target, reference):
     """With trees on, the adaptive policy measures tree steps at start-up and chooses per step between no
     draft, chains and trees of every width on their own acceptance and cost. A drafter whose first-ranked
@@ -301,3 +335,54 @@ def test_prompt_lookup_drafts_ride_along_as_a_branch_of_the_tree(target, referen
     alone, _ = tree_steps(LLM.from_engine(engine), repeats[2:3], GREEDY)
     assert alone[0].token_ids == expected[2]
     assert any(s.num_tree_nodes for s in steps) and branches
+
+
+def test_a_lookup_branch_teaches_the_lookup_estimate_not_the_trees(target, monkeypatch):
+    """Tree steps with prompt-lookup branches (a random drafter on text that repeats itself, so the
+    lookup's drafts are often right and the drafter's seldom): the tree's acceptance learns from the
+    drafter's own nodes only, the lookup's from its branch as from a lookup step, so the policy prices
+    "tree + branch" against "lookup alone" on what each source accepts. Checked by counting, from every
+    verified tree, the first-depth acceptances each estimate should have seen."""
+    grown: dict[int, tuple[TokenTree, int, list[int]]] = {}  # id(tree with branch) -> (it, drafted, branch)
+    verified: list[tuple[TokenTree, list[int]]] = []
+    with_branch, accept = TokenTree.with_branch, executor.accept_tree
+
+    def branching(tree, token_ids, max_nodes):
+        grown_tree = with_branch(tree, token_ids, max_nodes)
+        grown[id(grown_tree)] = (grown_tree, len(tree), list(token_ids))
+        return grown_tree
+
+    def accepting(tree, *args):
+        verdict = accept(tree, *args)
+        verified.append((tree, verdict.accepted_nodes))
+        return verdict
+
+    monkeypatch.setattr(TokenTree, "with_branch", branching)
+    monkeypatch.setattr(executor, "accept_tree", accepting)
+    kwargs = {"speculative_topk": 4, "speculative_num_draft_tokens": 12, "speculative_adaptive": True}
+    engine = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=1, prompt_lookup_max=4, **kwargs)
+    engine.policy.cost_model = TreeCosts(engine.spec)  # one row: a tree costs a chain's verify, + 1 ms drafting
+    policy = engine.policy
+    tree_before = (policy.tree_acceptance._accepted[0], policy.tree_acceptance._observed[0])
+    lookup_before = (policy.lookup_acceptance._accepted[0], policy.lookup_acceptance._observed[0])
+    repeats = [p * 3 for p in PROMPTS]
+    expected = [c.token_ids for c in LLM.from_engine(tiny_engine(target, None)).generate(repeats, GREEDY)]
+    outputs, steps = tree_steps(LLM.from_engine(engine), repeats, GREEDY)
+    assert [c.token_ids for c in outputs] == expected
+
+    by_drafter = by_branch = branch_trees = 0
+    for tree, accepted in verified:
+        _, drafted, branch = grown.get(id(tree), (tree, len(tree), []))
+        by_drafter += bool(accepted) and accepted[0] < drafted
+        if branch:
+            branch_trees += 1
+            by_branch += bool(accepted) and tree.token_ids[accepted[0]] == branch[0]
+    lookup_steps = [s for s in steps if s.num_lookup_drafts]
+    lookup_first = sum(s.num_accepted_tokens > 0 for s in lookup_steps)  # batch 1: the step's one row
+    assert branch_trees and by_branch > by_drafter  # the branches were there, and right more often
+    tree_after = (policy.tree_acceptance._accepted[0], policy.tree_acceptance._observed[0])
+    lookup_after = (policy.lookup_acceptance._accepted[0], policy.lookup_acceptance._observed[0])
+    assert tree_after == pytest.approx((tree_before[0] + by_drafter, tree_before[1] + len(verified)))
+    assert lookup_after == pytest.approx(
+        (lookup_before[0] + by_branch + lookup_first, lookup_before[1] + branch_trees + len(lookup_steps))
+    )

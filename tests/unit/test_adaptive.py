@@ -14,6 +14,7 @@ from dflash2.spec.adaptive import (
     CostModel,
     choose_width,
     expected_tokens,
+    expected_tokens_with_branch,
 )
 
 
@@ -27,6 +28,28 @@ def test_expected_tokens_is_one_plus_the_survival_sums():
     assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
     assert expected_tokens([0.9], 4) == pytest.approx(1.9)  # positions never estimated count as rejected
+
+
+def test_a_lookup_branch_adds_the_depths_where_it_survives_more_likely_than_the_tree():
+    tree, branch = [0.5, 0.5, 0.5], [0.9, 0.2]
+    assert expected_tokens_with_branch(tree, 3, branch, 0) == expected_tokens(tree, 3)
+    assert expected_tokens_with_branch(tree, 0, branch, 2) == pytest.approx(expected_tokens(branch, 2))
+    # depth 1: the branch (0.9); depth 2: the tree (0.25 > 0.18); depth 3: the tree alone (0.125)
+    assert expected_tokens_with_branch(tree, 3, branch, 2) == pytest.approx(1 + 0.9 + 0.25 + 0.125)
+    assert expected_tokens_with_branch(tree, 1, branch, 2) == pytest.approx(1 + 0.9 + 0.18)
+
+
+def test_a_tree_step_with_branches_is_priced_on_both_sources():
+    """Each row's tree prediction counts its lookup branch, cut to the width like its drafts."""
+    model = CostModel(2, (1, 2, 3))
+    model.seed({(2, w): 0.010 * w for w in (1, 2, 3)}, at_widths({2: 0.001}, (1, 2, 3)))
+    trees, limits = [[0.3, 0.3], [0.5, 0.5]], [2, 2]
+    alone = choose_width(trees, limits, (2, 3), model.seconds)
+    branched = choose_width(trees, limits, (2, 3), model.seconds, branches=[([0.9, 0.9], 2), ((), 0)])
+    assert branched.rates[2] == pytest.approx((1.9 + 1.5) / 0.021)
+    assert branched.rates[3] == pytest.approx((1 + 0.9 + 0.81 + 1.75) / 0.031)
+    assert branched.rates[3] > alone.rates[3]
+    assert branched.width == 2 and branched.predicted_tokens == pytest.approx(1.9 + 1.5)
 
 
 def test_acceptance_estimate_observes_the_accepted_prefix_and_the_first_rejection():
