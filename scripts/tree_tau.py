@@ -6,6 +6,7 @@ Fixed blocks of 8, adaptive policy and prompt lookup off, SmolLM2 + its shipped 
 
     .venv/bin/python scripts/tree_tau.py --data data/smollm2-135m --num-prompts 8 --configs 1:8 4:16
     .venv/bin/python scripts/tree_tau.py --data data/smollm2-135m --configs 4:16 --no-calibration
+    .venv/bin/python scripts/tree_tau.py --data data/smollm2-135m --configs 4:16 --depth-penalty 0
 
 A configuration ``K:N`` is ``--speculative-topk K --speculative-num-draft-tokens N`` (``1:8`` = the chain).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from dflash2 import LLM, SamplingParams
 from dflash2.bench.workload import render_chat
+from dflash2.spec import tree
 from dflash2.spec.tree import TreeCalibration
 from dflash2.train.evaluate import load_prompt_sets
 
@@ -28,7 +30,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=["1:8", "4:16"], help="K:N pairs")
     parser.add_argument("--no-calibration", action="store_true", help="trees from the drafter's own probabilities")
+    parser.add_argument(
+        "--depth-penalty",
+        type=float,
+        default=tree.DEPTH_PENALTY,
+        help="nats off each tree level's score (default: %(default)s, dflash2.spec.tree.DEPTH_PENALTY)",
+    )
     args = parser.parse_args()
+    tree.DEPTH_PENALTY = args.depth_penalty  # build_trees reads the module's value at every call
     sets = load_prompt_sets(args.data, args.num_prompts)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for config in args.configs:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dflash2.spec import tree as tree_module
 from dflash2.spec.tree import TokenTree, TreeCalibration, accept_tree, build_trees
 
 
@@ -138,3 +139,15 @@ def test_offsets_reshape_the_tree_and_zero_offsets_change_nothing():
     for node in range(1, len(tree)):
         assert tree.draft_log_probs[node] <= 0.0
     assert all(math.isnan(x) for x in tree.with_branch([999, 998], 40).draft_log_probs[len(tree) :])
+
+
+def test_the_depth_penalty_moves_the_budget_toward_shallow_nodes(monkeypatch):
+    """Two nodes to give: the first-ranked child's own child (q 0.7 under a parent of q 0.6: joint 0.42)
+    or the second-ranked child (q 0.4). Raw probabilities keep the chain; λ per level (the deep node
+    pays twice) keeps the sibling."""
+    candidate_ids = torch.tensor([[[10, 11], [20, 21]]])
+    log_probs = torch.tensor([[[0.6, 0.4], [0.6, 0.4]], [[0.7, 0.3], [0.7, 0.3]]]).log()[None]
+    monkeypatch.setattr(tree_module, "DEPTH_PENALTY", 0.0)
+    assert build_trees(candidate_ids, log_probs, [1], 2, [2], [2])[0].token_ids == [1, 10, 20]
+    monkeypatch.setattr(tree_module, "DEPTH_PENALTY", 0.5)
+    assert build_trees(candidate_ids, log_probs, [1], 2, [2], [2])[0].token_ids == [1, 10, 11]
