@@ -53,8 +53,9 @@ class Verified:
             (what the chain of first-ranked drafts would have accepted); None for a chain step.
         tree_accepted: per row of a tree step, the accepted nodes that the drafter proposed (what its
             tree alone would have accepted; a prompt-lookup branch's own nodes not counted).
-        branch_accepted: per row of a tree step with a prompt-lookup branch, how many of the branch's
-            drafts were accepted (None for a row without one); None without branches.
+        branch_accepted: per row of a tree step with a prompt-lookup branch, ``(drafts, accepted)``: how
+            many of the branch's drafts the tree held (a branch is cut where the slot ends) and how many
+            of them were accepted (None for a row without one); None without branches.
     """
 
     plan: Plan
@@ -72,7 +73,7 @@ class Verified:
     tree_nodes: int = 0
     spine_accepted: list[int] | None = None
     tree_accepted: list[int] | None = None
-    branch_accepted: list[int | None] | None = None
+    branch_accepted: list[tuple[int, int] | None] | None = None
 
 
 class StepExecutor:
@@ -194,7 +195,7 @@ class StepExecutor:
         probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
         # The same count of uniforms per row on every tree step, whatever the tree's shape: one per child
         # tried (at most the budget's nodes and a lookup branch's) and one for the next token.
-        uniforms = None if greedy else self._step_uniforms(rows, self.spec.tree_nodes + self.spec.block_size + 1)
+        uniforms = None if greedy else self._step_uniforms(rows, self.spec.max_tree_nodes + 1)
         paths, next_ids, spine, by_drafter = [], [], [], []
         for i, tree in enumerate(trees):
             n = len(tree)
@@ -213,7 +214,9 @@ class StepExecutor:
         branch_accepted = None
         if plan.branches is not None:
             branch_accepted = [
-                _common_prefix([tree.token_ids[n] for n in path[1:]], branch) if branch else None
+                (_branch_depth(tree, branch), _common_prefix([tree.token_ids[n] for n in path[1:]], branch))
+                if branch
+                else None
                 for tree, path, branch in zip(trees, paths, plan.branches)
             ]
         index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
@@ -308,6 +311,16 @@ def _spine_length(tree: TokenTree, accepted_nodes: list[int], drafted: int) -> i
 def _prefix_below(nodes: list[int], limit: int) -> int:
     """How many of ``nodes``, from the first, are below ``limit``."""
     return next((i for i, node in enumerate(nodes) if node >= limit), len(nodes))
+
+
+def _branch_depth(tree: TokenTree, token_ids: list[int]) -> int:
+    """How many of ``token_ids``, from the first, the tree holds as a path below its root."""
+    node = 0
+    for depth, token in enumerate(token_ids):
+        node = next((c for c in tree.children[node] if tree.token_ids[c] == token), -1)
+        if node < 0:
+            return depth
+    return len(token_ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -76,9 +76,8 @@ class Postprocessor:
             drafted = acc  # accepted drafts the drafter proposed (a tree's lookup branch is taught apart)
             if verified.spine_accepted is not None and verified.tree_accepted is not None:
                 spine, drafted = verified.spine_accepted[i], verified.tree_accepted[i]
-            if plan.branches is not None and verified.branch_accepted is not None:
-                accepted = verified.branch_accepted[i]
-                branch = None if accepted is None else (len(plan.branches[i]), accepted)
+            if verified.branch_accepted is not None:
+                branch = verified.branch_accepted[i]
             lookup = plan.source is DraftSource.LOOKUP
             self.policy.observe(request, plan.num_drafts[i], drafted, lookup, spine, branch)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step

@@ -296,9 +296,10 @@ class ModelRunner:
 
     @property
     def max_tree_nodes(self) -> int:
-        """The most nodes, the root included, of a token tree this runner verifies: the node budget and a
-        prompt-lookup branch of up to ``block_size − 1`` drafts beside it."""
-        return self.tree_nodes + self.block_size
+        """The most nodes, the root included, of a token tree this runner verifies: the full block's node
+        budget (never fewer than B − 1 drafts) and a prompt-lookup branch of up to B − 1 drafts beside it
+        (``EngineSpec.max_tree_nodes``)."""
+        return max(self.tree_nodes, self.block_size - 1) + self.block_size
 
     def _tree_call(
         self,
@@ -309,9 +310,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled tree forward: on CPU one graph (rows, nodes and keys dynamic, at least two nodes
         per row); with CUDA graphs nodes are padded to a node bucket (:func:`bucket_nodes`), rows to a
-        row bucket and keys to a power of two, one recorded graph per (rows, nodes) bucket. Padding
-        nodes and rows write the scratch slot and see only themselves, as a narrower tree's padding
-        does on CPU."""
+        row bucket and keys to a power of two, one recorded graph per (rows, nodes, keys) bucket.
+        Padding nodes and rows write the scratch slot and their outputs are cut away, as a narrower
+        tree's padding is on CPU."""
         forward = self._tree_forward if forward is None else forward
         assert forward is not None
         with compiled_mode():

@@ -386,3 +386,21 @@ def test_a_lookup_branch_teaches_the_lookup_estimate_not_the_trees(target, monke
     assert lookup_after == pytest.approx(
         (lookup_before[0] + by_branch + lookup_first, lookup_before[1] + branch_trees + len(lookup_steps))
     )
+
+
+def test_a_budget_below_the_block_still_bounds_every_tree(target):
+    """``--speculative-num-draft-tokens`` below the block (N = 4, B = 8): a full block's tree still holds
+    its B − 1 drafts, so the largest tree (the runner's node buckets, a sampled row's uniforms) is that
+    and a lookup branch: 1 + 7 + 7 nodes. Sampled rows with lookup branches on text that repeats itself
+    decode to the end."""
+    kwargs = {"speculative_topk": 4, "speculative_num_draft_tokens": 4, "speculative_adaptive": True}
+    engine = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=2, prompt_lookup_max=4, **kwargs)
+    assert engine.spec.max_tree_nodes == engine.runner.max_tree_nodes == 15
+    costs = TreeCosts(engine.spec)
+    for key in costs.verify:  # trees as cheap as chains: trees (with branches) keep winning
+        costs.verify[key] = costs.tree_verify[key] = 0.010
+    engine.policy.cost_model = costs
+    params = [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True) for _ in range(4)]
+    outputs, steps = tree_steps(LLM.from_engine(engine), [p * 3 for p in PROMPTS], params)
+    assert all(len(o.token_ids) == 24 for o in outputs)
+    assert max(s.num_tree_nodes for s in steps) > 0
