@@ -43,7 +43,7 @@ from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
 from dflash2.precompiled import PrecompiledForward
-from dflash2.runner.cache import CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
+from dflash2.runner.cache import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
 
@@ -445,6 +445,12 @@ def compile_modules(runner: ModelRunner, modules: list[tuple[str, nn.Module]]) -
         "CUDA graphs" if cuda else "inductor",
     )
     configure_compiler(runner.device, runner.dynamic_threads)
+    if cuda:  # one recorded graph per static shape: dynamo must not give up on them and run eagerly
+        import torch._dynamo.config as dynamo_config
+
+        graphs = cuda_graph_count(runner)
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * graphs)
     forwards: dict[str, Callable[..., Any]] = {}
     for name, module in modules:
         forward: Callable[..., Any]
@@ -480,11 +486,26 @@ def compile_modules(runner: ModelRunner, modules: list[tuple[str, nn.Module]]) -
     return forwards
 
 
+def cuda_graph_count(runner: ModelRunner) -> int:
+    """The most CUDA graphs one compiled module of ``runner`` can record: row buckets × key-length buckets
+    (powers of two from ``CUDA_MIN_KEYS`` up to the slot's positions) × widths (1 and the block for the
+    target, every node bucket for the token-tree forward)."""
+    keys, length = 1, CUDA_MIN_KEYS
+    while length < runner.max_model_len:
+        keys, length = keys + 1, length * 2
+    widths = max(2, len(node_buckets(runner.max_tree_nodes)) if runner.tree_nodes else 0)
+    return len(_row_buckets_cuda(runner)) * keys * widths
+
+
+def _row_buckets_cuda(runner: ModelRunner) -> list[int]:
+    last = bucket_rows(runner.num_slots, runner.num_slots)
+    return [*(b for b in CUDA_ROW_BUCKETS if b < runner.num_slots), last]
+
+
 def _row_buckets(runner: ModelRunner) -> list[int]:
     """Row counts to build graphs for: 1 and ≥ 2 on CPU; every bucket up to the slots on CUDA."""
     if runner.device.type == "cuda":
-        last = bucket_rows(runner.num_slots, runner.num_slots)
-        return [*(b for b in CUDA_ROW_BUCKETS if b < runner.num_slots), last]
+        return _row_buckets_cuda(runner)
     return [1, 2] if runner.num_slots >= 2 else [1]
 
 

@@ -3,6 +3,8 @@ the KV cache after a tree's accepted path is moved into place, and the settings'
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
 from dflash2.runner import ModelRunner
 from dflash2.runner.cache import bucket_nodes, node_buckets
-from dflash2.runner.compile import CompiledTarget, CompiledTreeTarget
+from dflash2.runner.compile import CompiledTarget, CompiledTreeTarget, cuda_graph_count
 from dflash2.spec.adaptive import CostModel
 from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
@@ -258,6 +260,16 @@ def test_node_buckets_cover_every_tree_up_to_the_largest():
     assert [bucket_nodes(n, 24) for n in (2, 8, 9, 16, 17, 24)] == [8, 8, 16, 16, 24, 24]
     with pytest.raises(ValueError, match="25 nodes is larger than the runner's 24"):
         bucket_nodes(25, 24)
+
+
+def test_the_recompile_limit_covers_every_cuda_graph_a_module_can_record():
+    """Rows 1 … 64 (7 buckets) × key lengths 256 … 8192 (6) × widths: 2 for the target (1 and B), 4 node
+    buckets for trees of up to 46 nodes (8, 16, 32, 46): past dynamo's default limits, which would run
+    the later shapes eagerly without a word."""
+    runner = SimpleNamespace(num_slots=64, max_model_len=8192, tree_nodes=30, block_size=16, max_tree_nodes=46)
+    assert cuda_graph_count(runner) == 7 * 6 * 4
+    assert cuda_graph_count(SimpleNamespace(**{**vars(runner), "tree_nodes": 0})) == 7 * 6 * 2
+    assert cuda_graph_count(SimpleNamespace(**{**vars(runner), "num_slots": 1, "max_model_len": 256})) == 4
 
 
 def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatch):
