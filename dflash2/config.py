@@ -220,12 +220,6 @@ class EngineSpec:
         """Drafted steps may verify token trees rather than chains."""
         return self.tree_nodes > 0
 
-    @property
-    def max_tree_nodes(self) -> int:
-        """The most nodes a row's token tree can have, the anchor included: the full block's budget and a
-        prompt-lookup branch of up to B − 1 drafts beside it (``ModelRunner.max_tree_nodes``)."""
-        return self.tree_budget(self.block_size) + self.block_size
-
     def tree_budget(self, width: int) -> int:
         """Drafted nodes per row of a tree step at block width W (2 … B): the configured budget at the full
         block, the same share of it for a narrower step, never fewer than its W − 1 drafts."""

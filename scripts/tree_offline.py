@@ -82,18 +82,6 @@ def record(data: Path | None, num_prompts: int, max_tokens: int, out: Path) -> N
     print(f"wrote {out}")
 
 
-def accepted_length(tree: TokenTree, truth: list[int]) -> list[int]:
-    """The accepted nodes of a greedy row: the longest root path whose tokens are ``truth``'s first ones."""
-    node, accepted = 0, []
-    for token in truth:
-        match = next((c for c in tree.children[node] if tree.token_ids[c] == token), None)
-        if match is None:
-            break
-        accepted.append(match)
-        node = match
-    return accepted
-
-
 def replay(recorded: dict[str, list[dict[str, Any]]], topk: int, nodes: int) -> dict[str, float]:
     """τ per set (and ``mean``) of decoding with ``topk`` branches and ``nodes`` drafted nodes per tree."""
     calibration = TreeCalibration(BLOCK_SIZE - 1)
@@ -107,7 +95,7 @@ def replay(recorded: dict[str, list[dict[str, Any]]], topk: int, nodes: int) -> 
                 anchor, depth, candidate_ids, log_probs = steps[position]
                 offsets = calibration.offsets()[None] if topk > 1 else None
                 tree = build_trees(candidate_ids[None], log_probs[None], [anchor], topk, [nodes], [depth], offsets)[0]
-                accepted = accepted_length(tree, tokens[position + 1 : position + 1 + depth])
+                accepted = tree.follow(tokens[position + 1 : position + 1 + depth])  # a greedy row's nodes
                 if topk > 1:
                     calibration.observe(tree, accepted)
                 num_steps += 1

@@ -15,6 +15,7 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.context import pending_writes, write_context
 from dflash2.engine.policy import DraftSource, Plan
+from dflash2.engine.prefix_cache import common_prefix_length
 from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of
 from dflash2.grammar import GrammarBackend
@@ -195,7 +196,7 @@ class StepExecutor:
         probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
         # The same count of uniforms per row on every tree step, whatever the tree's shape: one per child
         # tried (at most the budget's nodes and a lookup branch's) and one for the next token.
-        uniforms = None if greedy else self._step_uniforms(rows, self.spec.max_tree_nodes + 1)
+        uniforms = None if greedy else self._step_uniforms(rows, runner.max_tree_nodes + 1)
         paths, next_ids, spine, by_drafter = [], [], [], []
         for i, tree in enumerate(trees):
             n = len(tree)
@@ -213,12 +214,10 @@ class StepExecutor:
             by_drafter.append(_prefix_below(verdict.accepted_nodes, drafted[i]))
         branch_accepted = None
         if plan.branches is not None:
-            branch_accepted = [
-                (_branch_depth(tree, branch), _common_prefix([tree.token_ids[n] for n in path[1:]], branch))
-                if branch
-                else None
-                for tree, path, branch in zip(trees, paths, plan.branches)
-            ]
+            branch_accepted = []
+            for tree, path, branch in zip(trees, paths, plan.branches):
+                held = tree.follow(branch)  # a slot's end may have cut the branch
+                branch_accepted.append((len(held), common_prefix_length(path[1:], held)) if branch else None)
         index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
         return Verified(
             plan,
@@ -311,21 +310,6 @@ def _spine_length(tree: TokenTree, accepted_nodes: list[int], drafted: int) -> i
 def _prefix_below(nodes: list[int], limit: int) -> int:
     """How many of ``nodes``, from the first, are below ``limit``."""
     return next((i for i, node in enumerate(nodes) if node >= limit), len(nodes))
-
-
-def _branch_depth(tree: TokenTree, token_ids: list[int]) -> int:
-    """How many of ``token_ids``, from the first, the tree holds as a path below its root."""
-    node = 0
-    for depth, token in enumerate(token_ids):
-        node = next((c for c in tree.children[node] if tree.token_ids[c] == token), -1)
-        if node < 0:
-            return depth
-    return len(token_ids)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _along(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

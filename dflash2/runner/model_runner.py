@@ -297,8 +297,8 @@ class ModelRunner:
     @property
     def max_tree_nodes(self) -> int:
         """The most nodes, the root included, of a token tree this runner verifies: the full block's node
-        budget (never fewer than B − 1 drafts) and a prompt-lookup branch of up to B − 1 drafts beside it
-        (``EngineSpec.max_tree_nodes``)."""
+        budget (``EngineSpec.tree_budget`` at the full block: never fewer than B − 1 drafts) and a
+        prompt-lookup branch of up to B − 1 drafts beside it."""
         return max(self.tree_nodes, self.block_size - 1) + self.block_size
 
     def _tree_call(

@@ -92,25 +92,32 @@ class TokenTree:
             self._children = children
         return self._children
 
+    def follow(self, token_ids: Sequence[int]) -> list[int]:
+        """The nodes of the longest path below the root whose tokens are ``token_ids``' first ones (the
+        nodes a greedy row accepts when the target's text continues with ``token_ids``)."""
+        nodes, node = [], 0
+        for token in token_ids:
+            match = next((c for c in self.children[node] if self.token_ids[c] == token), None)
+            if match is None:
+                break
+            nodes.append(node := match)
+        return nodes
+
     def with_branch(self, token_ids: list[int], max_nodes: int) -> TokenTree:
         """This tree with the path ``token_ids`` below the root merged in (a prompt-lookup continuation):
         the path follows existing children while their tokens match, and the rest becomes new nodes
         after the existing ones (topological order kept; a new child is its parent's last sibling).
         At most ``max_nodes`` nodes in all: the path is cut there."""
         tokens, parents = list(self.token_ids), list(self.parents)
-        node, children = 0, self.children
         first_new = len(tokens)
-        for depth, token in enumerate(token_ids):
-            match = next((c for c in children[node] if tokens[c] == token), None)
-            if match is None:
-                for new in token_ids[depth:]:
-                    if len(tokens) >= max_nodes:
-                        break
-                    tokens.append(new)
-                    parents.append(node)
-                    node = len(tokens) - 1
+        shared = self.follow(token_ids)
+        node = shared[-1] if shared else 0
+        for new in token_ids[len(shared) :]:
+            if len(tokens) >= max_nodes:
                 break
-            node = match
+            tokens.append(new)
+            parents.append(node)
+            node = len(tokens) - 1
         log_probs = None
         if self.draft_log_probs is not None:
             log_probs = self.draft_log_probs + [math.nan] * (len(tokens) - first_new)
