@@ -15,6 +15,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --quantization and --speculative-draft-quantization (dflash2.models.quantize says what each means).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+DRAFT_QUANTIZATION_CHOICES = ("none", "int8", "int4")
 DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
 DEFAULT_PROMPT_LOOKUP_MIN = 2  # the shortest, when prompt_lookup_min is None
 # The longest n-gram either bound may name: each request indexes (max − min + 1) n-grams of up to max
@@ -75,6 +78,13 @@ class EngineConfig:
             seeded request gives the same text alone or in any batch, and greedy speculative
             output equals greedy autoregressive output token for token, in bfloat16 too. CPU with
             AVX512-BF16 or AMX only; every forward runs eagerly (docs/engine.md, "Deterministic mode").
+        quantization: weight-only quantized linears (vLLM's ``--quantization``;
+            :mod:`dflash2.models.quantize`): ``gguf`` keeps a ``.gguf`` target's own quantized tensors,
+            ``int8`` / ``int4`` quantize a float checkpoint at load (round to nearest, groups of 32),
+            ``none`` keeps dense weights; ``auto``: ``gguf`` for a ``.gguf`` target (the embedded
+            default included) on a CPU where the kernel runs, else ``none``.
+        speculative_draft_quantization: the drafter's own linears, ``none``, ``int8`` or ``int4``
+            (round to nearest; its KV cache stays in the serving dtype).
         tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this
             process and N − 1 workers, one GPU each on CUDA (``dflash2/parallel.py``,
             ``dflash2/models/tensor_parallel.py``); 1 = one process.
@@ -101,6 +111,8 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     deterministic: bool = False
     tensor_parallel_size: int = 1
+    quantization: str = "auto"
+    speculative_draft_quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
@@ -129,6 +141,18 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.speculative_draft_quantization not in DRAFT_QUANTIZATION_CHOICES:
+            raise ValueError(
+                "speculative_draft_quantization (--speculative-draft-quantization) must be one of "
+                + ", ".join(DRAFT_QUANTIZATION_CHOICES)
+            )
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            raise ValueError(
+                f"--quantization {self.quantization} runs in one process: drop --tensor-parallel-size or use "
+                "--quantization none"
+            )
 
     def _check_prompt_lookup(self) -> None:
         longest, shortest = self.prompt_lookup_max, self.prompt_lookup_min

@@ -15,8 +15,10 @@ from typing import Any
 from dflash2.config import (
     DEFAULT_PROMPT_LOOKUP_MAX,
     DEFAULT_PROMPT_LOOKUP_MIN,
+    DRAFT_QUANTIZATION_CHOICES,
     DTYPES,
     MAX_PROMPT_LOOKUP_N,
+    QUANTIZATION_CHOICES,
     EngineConfig,
 )
 
@@ -45,6 +47,7 @@ _DECODING_FLAGS = (
 )
 _DRAFTER_FLAGS = (
     "drafter",
+    "speculative_draft_quantization",
     "block_size",
     "use_selector",
     "speculative_draft_vocab_size",
@@ -144,6 +147,22 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         choices=["auto", *DTYPES],
         help="weights and activations (auto: bfloat16 on CUDA, on CPUs with AVX512-BF16/AMX and on AVX2 CPUs "
         "where the project's bfloat16 kernel builds; else float32)",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=_DEFAULTS.quantization,
+        choices=list(QUANTIZATION_CHOICES),
+        help="weight-only quantized linears: gguf keeps a .gguf target's own quantized tensors (Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), int8/int4 quantize a float checkpoint at load (round to nearest, groups "
+        "of 32), none keeps dense weights (default auto: gguf for a .gguf target on a CPU where the kernel runs, "
+        "the embedded model included; else none)",
+    )
+    g.add_argument(
+        "--speculative-draft-quantization",
+        default=_DEFAULTS.speculative_draft_quantization,
+        choices=list(DRAFT_QUANTIZATION_CHOICES),
+        help="the drafter's own linears: none, int8 or int4 (round to nearest; default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed for requests that give none")
     g.add_argument(

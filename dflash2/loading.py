@@ -15,6 +15,7 @@ from dflash2.models import cpu_kernels
 from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.llama import TargetModel
+from dflash2.models.quantize import NOT_QUANTIZED, QuantizationReport, quantize_target
 from dflash2.models.tensor_parallel import ShardInfo, shard_target
 from dflash2.platform import cpu_has_native_bf16
 
@@ -28,7 +29,7 @@ class LoadedModels:
     Attributes:
         tokenizer: Hugging Face tokenizer; target: the loaded target; drafter: bound to the target, or
         None (autoregressive decoding); eos_token_ids: ids that end a request; model_name: the name
-        reported to clients.
+        reported to clients; quantization: how the target's linear weights are held.
     """
 
     tokenizer: Any
@@ -36,6 +37,7 @@ class LoadedModels:
     drafter: DFlashDrafter | None
     eos_token_ids: tuple[int, ...]
     model_name: str
+    quantization: QuantizationReport = NOT_QUANTIZED
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -77,6 +79,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
     device, dtype = config.torch_device, resolve_dtype(config)
     tokenizer = loader.load_tokenizer(folder)
     target = loader.load_target(folder, dtype, device if shard is None else torch.device("cpu"))
+    quantization = quantize_loaded_target(config, target, source.source_gguf(config.model, folder), shard is not None)
     drafter = None
     drafter_path = resolve_drafter_path(config)
     if config.block_size != 1:
@@ -88,6 +91,11 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
             drafter = untrained_default_drafter(target, dtype, device)
             if config.speculative_draft_vocab_size is not None:
                 drafter.limit_draft_vocab(config.speculative_draft_vocab_size)
+    if drafter is not None and config.speculative_draft_quantization != "none":
+        from dflash2.models.quantize import quantize_drafter
+
+        report = quantize_drafter(drafter, config.speculative_draft_quantization)
+        logger.info("drafter %s", report.describe())
     if shard is not None:
         if drafter is not None and device.type != "cpu":  # the drafter keeps the whole embedding and head
             embed, head = target.embedding_weights()
@@ -96,7 +104,30 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
         assert isinstance(target, TargetModel)  # Engine.from_config checked the family before starting workers
         target = shard_target(target, shard).to(device)
     name = source.EMBEDDED_MODEL_NAME if config.model is None else config.model
-    return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name)
+    return LoadedModels(tokenizer, target, drafter, tuple(loader.eos_token_ids(folder, tokenizer)), name, quantization)
+
+
+def quantize_loaded_target(
+    config: EngineConfig, target: Target, gguf: Path | None, tensor_parallel: bool
+) -> QuantizationReport:
+    """Apply ``config.quantization`` to a loaded target in place (:mod:`dflash2.models.quantize`), log
+    what it did and record it on the target (``target.quantization``).
+
+    Raises:
+        dflash2.models.quantize.QuantizationError: a method that cannot run here, with what to do.
+    """
+    from dflash2.models.quantize import resolve_method
+
+    if not isinstance(target, TargetModel):
+        if config.quantization not in ("auto", "none"):
+            resolve_method(config.quantization, gguf, config.torch_device, tensor_parallel)  # the device's errors
+            quantize_target(target, config.quantization, gguf)  # raises: no native decoder
+        return NOT_QUANTIZED
+    method = resolve_method(config.quantization, gguf, config.torch_device, tensor_parallel)
+    report = quantize_target(target, method, gguf, strict=config.quantization == "gguf")
+    target.quantization = report
+    logger.info("target %s", report.describe())
+    return report
 
 
 def default_drafter_path() -> Path | None:

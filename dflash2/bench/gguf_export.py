@@ -14,7 +14,6 @@ files but has no converter from a transformers folder (that converter is llama.c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -35,26 +34,13 @@ class GgufChoice:
     note: str
 
 
-def source_gguf(model: str | None, folder: Path) -> Path | None:
-    """The GGUF file a model folder was converted from, if any."""
-    if model is None:
-        return source.embedded_gguf_path()
-    if model.endswith(".gguf") and Path(model).is_file():
-        return Path(model)
-    marker = folder / source.COMPLETE_MARKER
-    if marker.is_file():
-        origin = Path(json.loads(marker.read_text()).get("source", ""))
-        return origin if origin.is_file() else None
-    return None
-
-
 def choose_gguf(model: str | None, folder: Path, dtype_name: str, explicit: Path | None) -> GgufChoice:
     """``explicit`` as given, else the model's source GGUF dequantized to ``dtype_name``."""
     if explicit is not None:
         if not explicit.is_file():
             return GgufChoice(None, f"--gguf {explicit} does not exist")
         return GgufChoice(explicit, f"{explicit} (given with --gguf)")
-    origin = source_gguf(model, folder)
+    origin = source.source_gguf(model, folder)
     if origin is None:
         return GgufChoice(
             None,

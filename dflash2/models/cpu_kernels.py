@@ -130,7 +130,8 @@ class CpuKernel:
         cflags: the compiler's instruction-set flags.
         op_name: the op in the ``dflash2`` namespace.
         block: output features per packed block.
-        pack: ``[N, K]`` bfloat16 → the packed layout; unpack: its inverse ``(packed, N, K)``.
+        pack: ``[N, K]`` bfloat16 → the packed layout; unpack: its inverse ``(packed, N, K)`` (None for
+            the quantized kernel, whose layout is :func:`dflash2.models.quant.pack`'s).
         extra_sources: more C++ files built into the same library (other ops needing the same flags).
     """
 
@@ -140,8 +141,8 @@ class CpuKernel:
     cflags: tuple[str, ...]
     op_name: str
     block: int
-    pack: Callable[[torch.Tensor], torch.Tensor]
-    unpack: Callable[..., torch.Tensor]
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None
+    unpack: Callable[..., torch.Tensor] | None = None
     extra_sources: tuple[pathlib.Path, ...] = ()
 
     def supported_cpu(self) -> bool:
@@ -177,7 +178,7 @@ class CpuKernel:
         directory = self.build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
-            logger.info("building the %s bfloat16 CPU linear kernel (once, about 10 s) in %s", self.name, directory)
+            logger.info("building the %s CPU linear kernel (once, about 10 s) in %s", self.name, directory)
         try:
             load(
                 name=f"dflash2_{self.source.stem}",
@@ -191,7 +192,7 @@ class CpuKernel:
                 verbose=False,
             )
         except Exception as error:  # a missing compiler, a failed build or load
-            logger.warning("the %s bfloat16 CPU kernel could not be built (%s)", self.name, error)
+            logger.warning("the %s CPU kernel could not be built (%s)", self.name, error)
             return False
         _register_fake(self.op_name)
         if self.name == "amx":
@@ -254,6 +255,21 @@ def _register_fake(op_name: str) -> None:
         ) -> torch.Tensor:
             return x.new_empty((*x.shape[:-1], out_features))
 
+    elif op_name == "quant_linear":
+
+        @torch.library.register_fake("dflash2::quant_linear")
+        def _(
+            x: torch.Tensor,
+            qweight: torch.Tensor,
+            scales: torch.Tensor,
+            offsets: torch.Tensor | None,
+            bias: torch.Tensor | None,
+            bits: int,
+            group_size: int,
+            out_features: int,
+        ) -> torch.Tensor:
+            return x.new_empty((*x.shape[:-1], out_features))
+
     elif op_name == "bf16_linear":
 
         @torch.library.register_fake("dflash2::bf16_linear")
@@ -302,6 +318,15 @@ AMX = CpuKernel(
     unpack=unpack_dot,
 )
 KERNELS = {kernel.name: kernel for kernel in (AMX, AVX512_BF16, AVX2)}
+# Weight-only quantized linears (dflash2.models.quant): 4-/8-bit codes dequantized in registers.
+QUANT = CpuKernel(
+    name="quant",
+    source=_CSRC / "quant_linear.cpp",
+    cpu_flags=frozenset({"avx2", "fma", "f16c"}),
+    cflags=("-mavx2", "-mfma", "-mf16c"),
+    op_name="quant_linear",
+    block=8,
+)
 
 
 def supported_cpu() -> bool:

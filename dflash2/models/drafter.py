@@ -35,7 +35,7 @@ from dflash2.models.layers import (
     RotaryEmbedding,
     apply_rope,
     attention,
-    fused_linear,
+    fuse_linears,
     prepack_linears,
     shallow_copy,
     softcap,
@@ -156,15 +156,17 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv: nn.Linear | None = None  # fused copies (fuse_projections)
-        self.kv: nn.Linear | None = None
+        self.qkv: nn.Module | None = None  # fused copies (fuse_projections)
+        self.kv: nn.Module | None = None
 
     def fuse_projections(self) -> None:
         """Replace Q/K/V by two fused matrices, in place — ``qkv`` for the block, ``kv`` for the
         context — so an inference copy runs one matrix product where it ran three (or two). The
         separate projections, which checkpoints and training use, are dropped."""
-        self.qkv = fused_linear([self.q_proj, self.k_proj, self.v_proj])
-        self.kv = fused_linear([self.k_proj, self.v_proj])
+        qkv, kv = fuse_linears([self.q_proj, self.k_proj, self.v_proj]), fuse_linears([self.k_proj, self.v_proj])
+        if qkv is None or kv is None:  # quantized in different formats: they stay separate products
+            return
+        self.qkv, self.kv = qkv, kv
         del self.q_proj, self.k_proj, self.v_proj
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +229,7 @@ class DraftLayer(nn.Module):
         """Fuse Q/K/V (and the context's K/V) and gate/up into one matrix each, in place, for an
         inference copy (see :meth:`DraftAttention.fuse_projections`)."""
         self.self_attn.fuse_projections()
-        if isinstance(self.mlp, MLP):
+        if isinstance(self.mlp, MLP) and FusedMLP.can_fuse(self.mlp):
             self.mlp = FusedMLP(self.mlp)
 
     def forward(

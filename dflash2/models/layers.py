@@ -11,7 +11,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -226,7 +226,9 @@ class PackedLinear(nn.Module):
         else:
             from dflash2.models.cpu_kernels import KERNELS
 
-            self.register_buffer("packed_weight", KERNELS[backend].pack(weight), persistent=False)
+            pack = KERNELS[backend].pack
+            assert pack is not None
+            self.register_buffer("packed_weight", pack(weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` bfloat16 → ``[..., out]``."""
@@ -291,24 +293,38 @@ def shallow_copy(module: ModuleT) -> ModuleT:
     return clone
 
 
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+def fused_linear(parts: Sequence[nn.Module]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs (new weight tensors:
     an inference copy runs one larger matrix product instead of several).
 
     Raises:
         ValueError: when a part has no dense weight (a model already pre-packed for eager use).
     """
-    if any(not isinstance(p, nn.Linear) for p in parts):
+    linears = [p for p in parts if isinstance(p, nn.Linear)]
+    if len(linears) != len(parts):
         raise ValueError("the model's linear layers are already pre-packed: build the runner from dense weights")
-    weight = torch.cat([p.weight.detach() for p in parts])
-    biases = [p.bias for p in parts]
+    weight = torch.cat([p.weight.detach() for p in linears])
+    biases = [p.bias for p in linears]
     has_bias = any(b is not None for b in biases)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if has_bias:
-        bias = [b.detach() if b is not None else weight.new_zeros(p.out_features) for p, b in zip(parts, biases)]
+        bias = [b.detach() if b is not None else weight.new_zeros(p.out_features) for p, b in zip(linears, biases)]
         fused.bias = nn.Parameter(torch.cat(bias), requires_grad=False)
     return fused
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """:func:`fused_linear` for dense parts; for weight-only quantized parts
+    (:class:`~dflash2.models.quant.QuantizedLinear`) their codes concatenated, or None where their formats
+    differ (a GGUF mix may quantize Q/K and V differently: those stay separate)."""
+    from dflash2.models.quant import QuantizedLinear, fuse_quantized
+
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return fuse_quantized([p for p in parts if isinstance(p, QuantizedLinear)])
+    if any(isinstance(p, QuantizedLinear) for p in parts):
+        return None
+    return fused_linear(parts)
 
 
 class MLP(nn.Module):
@@ -325,13 +341,30 @@ class MLP(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    """An inference copy of an :class:`MLP` with the gate and up projections in one matrix."""
+    """An inference copy of an :class:`MLP` with the gate and up projections in one matrix.
+
+    Raises:
+        ValueError: when the two cannot be fused (see :func:`fuse_linears`; check with :meth:`can_fuse`).
+    """
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
         self.intermediate_size = mlp.gate_proj.out_features
-        self.gate_up = fused_linear([mlp.gate_proj, mlp.up_proj])
+        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        if gate_up is None:
+            raise ValueError("the MLP's gate and up projections have different weight formats")
+        self.gate_up = gate_up
         self.down_proj: nn.Module = mlp.down_proj
+
+    @staticmethod
+    def can_fuse(mlp: MLP) -> bool:
+        """Whether ``mlp``'s gate and up projections share a weight format (always, for dense ones)."""
+        from dflash2.models.quant import QuantizedLinear
+
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if isinstance(gate, QuantizedLinear) and isinstance(up, QuantizedLinear):
+            return (gate.bits, gate.group_size, gate.offsets is None) == (up.bits, up.group_size, up.offsets is None)
+        return isinstance(gate, QuantizedLinear) == isinstance(up, QuantizedLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)

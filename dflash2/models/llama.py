@@ -32,7 +32,7 @@ from dflash2.models.layers import (
     RotaryEmbedding,
     apply_rope,
     attention,
-    fused_linear,
+    fuse_linears,
     prepack_linears,
     shallow_copy,
 )
@@ -69,8 +69,12 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         """Replace Q/K/V by one fused matrix ``qkv``, in place (new weight tensors), so an inference
         copy runs one matrix product where it ran three. The separate projections, which the
-        checkpoint names, are dropped from this module."""
-        self.qkv = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        checkpoint names, are dropped from this module. Quantized projections of different formats
+        stay separate."""
+        qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if qkv is None:  # quantized in different formats (a GGUF mix): they stay three products
+            return
+        self.qkv = qkv
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -110,7 +114,7 @@ class DecoderLayer(nn.Module):
     def fuse_projections(self) -> None:
         """Fuse Q/K/V and gate/up into one matrix each, in place (see :meth:`Attention.fuse_projections`)."""
         self.self_attn.fuse_projections()
-        if isinstance(self.mlp, MLP):
+        if isinstance(self.mlp, MLP) and FusedMLP.can_fuse(self.mlp):
             self.mlp = FusedMLP(self.mlp)
 
     def forward(
@@ -146,6 +150,8 @@ class TargetModel(nn.Module):
     config: Any
     # Set by dflash2.models.tensor_parallel.shard_target on a tensor-parallel rank's share of the model.
     shard: Any = None
+    # How the linears are held (a dflash2.models.quantize.QuantizationReport), set where they are quantized.
+    quantization: Any = None
 
     def __init__(self, config: Any) -> None:
         super().__init__()

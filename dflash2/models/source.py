@@ -166,6 +166,20 @@ def resolve_model(model: str | os.PathLike[str] | None) -> pathlib.Path:
     )
 
 
+def source_gguf(model: str | None, folder: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a model folder was converted from (``model`` as given to :func:`resolve_model`,
+    ``folder`` what it returned), if any."""
+    if model is None:
+        return embedded_gguf_path()
+    if model.endswith(".gguf") and pathlib.Path(model).is_file():
+        return pathlib.Path(model)
+    marker = folder / COMPLETE_MARKER
+    if marker.is_file():
+        origin = pathlib.Path(json.loads(marker.read_text()).get("source", ""))
+        return origin if origin.is_file() else None
+    return None
+
+
 def gguf_fingerprint(gguf_path: str | os.PathLike[str]) -> str:
     """Return a short hex fingerprint of a GGUF file, used to name its cache folder.
 
