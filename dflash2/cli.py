@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash2.bench.config import METHOD_FAMILIES, PROMPT_SETS, BenchConfig
-from dflash2.config import EngineConfig
+from dflash2.bench.gguf_export import GGUF_TYPES
+from dflash2.config import QUANTIZATION_CHOICES, EngineConfig
 from dflash2.engine_args import (
     LOG_LEVEL_HELP,
     UNUSED_ENGINE_FLAGS,
@@ -295,6 +296,8 @@ def _bench(args: argparse.Namespace) -> int:
         tensor_parallel_rows=tuple(args.tp_rows),
         startup=args.startup,
         gguf=args.gguf,
+        gguf_types=tuple(args.gguf_types),
+        quantization_rows=tuple(args.quantization_rows),
         single_stream=args.single_stream,
         serving=args.serving,
         url=args.url,
@@ -347,6 +350,24 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "(the engine's own is --prompt-lookup-max)",
     )
     parser.add_argument("--gguf", type=Path, default=d.gguf, help="GGUF for llama.cpp (default: derived, see docs)")
+    parser.add_argument(
+        "--gguf-types",
+        nargs="*",
+        choices=list(GGUF_TYPES),
+        default=list(d.gguf_types),
+        metavar="TYPE",
+        help="also measure llama.cpp on GGUF files of these tensor types (rows llama.cpp-Q4_1, …): the model's own "
+        f"file for its type, others requantized from it ({', '.join(GGUF_TYPES)})",
+    )
+    parser.add_argument(
+        "--quantization-rows",
+        nargs="*",
+        choices=list(QUANTIZATION_CHOICES),
+        default=list(d.quantization_rows),
+        metavar="Q",
+        help="also measure the autoregressive row and each dflash2 default (adaptive) row with --quantization Q "
+        "(rows ar-quant-none, dflash2-b8-adaptive-quant-gguf, …)",
+    )
     parser.add_argument(
         "--single-stream", action=argparse.BooleanOptionalAction, default=d.single_stream, help="batch-1 speed"
     )

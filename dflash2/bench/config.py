@@ -51,6 +51,9 @@ class MethodSpec:
             ``--speculative-num-draft-tokens``; ``dflash2/spec/tree.py``); 1 and 0 for chains.
         tensor_parallel_size: engine methods: ranks the target is split over (the ``-tpN`` rows;
             ``dflash2/parallel.py``); 0 = the run's ``--tensor-parallel-size``.
+        quantization: engine methods: ``--quantization`` of the ``-quant-Q`` rows; "" = the run's.
+        gguf_type: llama.cpp methods: the GGUF tensor type of the ``llama.cpp-T`` rows (the model's own
+            GGUF file when it has that type, else one requantized from it); "" = the run's ``--gguf``.
     """
 
     id: str
@@ -65,6 +68,8 @@ class MethodSpec:
     tree_topk: int = 1
     tree_nodes: int = 0
     tensor_parallel_size: int = 0
+    quantization: str = ""
+    gguf_type: str = ""
 
     @property
     def is_speculative_engine(self) -> bool:
@@ -75,7 +80,9 @@ class MethodSpec:
     def label(self) -> str:
         """Human-readable name for tables and plots."""
         ranks = f", TP {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
-        return self._base_label + ranks + (", eager" if self.enforce_eager else "")
+        weights = f", weights {self.quantization}" if self.quantization else ""
+        file_type = f" on {self.gguf_type}" if self.gguf_type else ""
+        return self._base_label + file_type + ranks + weights + (", eager" if self.enforce_eager else "")
 
     @property
     def _base_label(self) -> str:
@@ -131,6 +138,12 @@ class BenchConfig:
         tensor_parallel_rows: for each N, the autoregressive row and each dflash2 method's default (adaptive)
             row again with the target split over N ranks (rows ``ar-tp2``, ``dflash2-b8-adaptive-tp2``;
             ``dflash2/parallel.py``); every other engine row runs at the run's ``--tensor-parallel-size``.
+        quantization_rows: for each ``--quantization`` value, the autoregressive row and each dflash2
+            method's default (adaptive) row again with the target's weights held that way (rows
+            ``ar-quant-none``, ``dflash2-b8-adaptive-quant-gguf``; ``dflash2/models/quantize.py``).
+        gguf_types: llama.cpp rows on GGUF files of these tensor types (rows ``llama.cpp-Q4_1``, …): the
+            model's own GGUF file for its own type, others requantized from it by the ``gguf`` package
+            (``Q8_0``, ``Q4_0``, ``Q4_1``, ``F16``, ``BF16``, ``F32``).
         startup: measure the speculative engine's start-up to ready, with an empty and with a
             warm compile cache (in a temporary cache folder).
         single_stream: run the single-stream benchmark.
@@ -168,6 +181,8 @@ class BenchConfig:
     tree_nodes: tuple[int, ...] = (16,)
     tree_topk: int = 4
     tensor_parallel_rows: tuple[int, ...] = ()
+    quantization_rows: tuple[str, ...] = ()
+    gguf_types: tuple[str, ...] = ()
     startup: bool = True
     gguf: Path | None = None
     single_stream: bool = True
@@ -210,6 +225,13 @@ class BenchConfig:
             (self.agent_conversations >= 1, "agent_conversations must be at least 1"),
             (self.agent_turns >= 2, "agent_turns must be at least 2 (follow-up turns are the point)"),
             (self.agent_max_tokens >= 1, "agent_max_tokens must be at least 1"),
+        ]
+        from dflash2.bench.gguf_export import GGUF_TYPES
+        from dflash2.config import QUANTIZATION_CHOICES
+
+        checks += [
+            (all(q in QUANTIZATION_CHOICES for q in self.quantization_rows), "unknown --quantization-rows value"),
+            (all(t in GGUF_TYPES for t in self.gguf_types), f"--gguf-types: choose from {', '.join(GGUF_TYPES)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -261,6 +283,13 @@ class BenchConfig:
                 for s in defaults
                 if not s.id.endswith("-no-lookup")
             ]
+        for quantization in self.quantization_rows:  # the baseline and the default, weights held that way
+            defaults = [s for s in engine_specs if s.family == AR or (s.adaptive and s.tree_topk == 1)]
+            engine_specs += [
+                replace(s, id=f"{s.id}-quant-{quantization}", quantization=quantization)
+                for s in defaults
+                if not s.id.endswith("-no-lookup") and not s.tensor_parallel_size
+            ]
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:
@@ -268,7 +297,13 @@ class BenchConfig:
                 continue
             specs.append(spec)
             # The full-block chain row already shows compilation's gain.
-            if self.eager_rows and not spec.adaptive and spec.tree_topk == 1 and not spec.tensor_parallel_size:
+            if (
+                self.eager_rows
+                and not spec.adaptive
+                and spec.tree_topk == 1
+                and not spec.tensor_parallel_size
+                and not spec.quantization
+            ):
                 specs.append(replace(spec, id=f"{spec.id}-eager", enforce_eager=True))
         if HF in self.methods:
             specs.append(MethodSpec(HF, HF, TRANSFORMERS))
@@ -276,6 +311,7 @@ class BenchConfig:
             specs.append(MethodSpec(HF_PLD, HF_PLD, TRANSFORMERS, prompt_lookup_tokens=self.prompt_lookup_tokens))
         if LLAMA_CPP in self.methods:
             specs.append(MethodSpec(LLAMA_CPP, LLAMA_CPP, LLAMA))
+            specs += [MethodSpec(f"{LLAMA_CPP}-{t}", LLAMA_CPP, LLAMA, gguf_type=t) for t in self.gguf_types]
         return specs
 
     @property
@@ -294,6 +330,7 @@ class BenchConfig:
         tree_topk: int = 1,
         tree_nodes: int = 0,
         tensor_parallel_size: int = 0,
+        quantization: str = "",
     ) -> EngineConfig:
         """The engine configuration of one engine method (batch 1 by default; eager as the
         run's engine config says unless ``enforce_eager`` is given). Engine methods verify full
@@ -302,7 +339,8 @@ class BenchConfig:
         run says ``--no-speculative-adaptive``. Prompt lookup follows the run's flags where the
         policy runs and ``prompt_lookup`` holds, and is off otherwise. ``tree_topk`` > 1 verifies token
         trees of ``tree_nodes`` nodes (anchor included) instead of chains. ``tensor_parallel_size`` splits
-        the target over that many ranks (0: the run's ``--tensor-parallel-size``)."""
+        the target over that many ranks (0: the run's ``--tensor-parallel-size``); ``quantization`` holds its
+        weights that way ("": the run's ``--quantization``)."""
         e = self.engine
         lookup = speculative_adaptive and prompt_lookup and block_size > 1
         return EngineConfig(
@@ -326,4 +364,6 @@ class BenchConfig:
             deterministic=e.deterministic,
             adaptive_threads=e.adaptive_threads,
             tensor_parallel_size=tensor_parallel_size or e.tensor_parallel_size,
+            quantization=quantization or e.quantization,
+            speculative_draft_quantization=e.speculative_draft_quantization,
         )

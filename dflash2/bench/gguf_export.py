@@ -24,6 +24,8 @@ from dflash2.models import source
 logger = logging.getLogger(__name__)
 
 _FILE_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32)}  # name, LlamaFileType
+# The tensor types llama.cpp rows can be asked for (--gguf-types), with their LlamaFileType.
+GGUF_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,39 @@ def choose_gguf(model: str | None, folder: Path, dtype_name: str, explicit: Path
     return GgufChoice(target, f"{origin.name} dequantized to {type_name} (the weights this engine loads)")
 
 
+def typed_gguf(model: str | None, folder: Path, type_name: str) -> GgufChoice:
+    """A GGUF of the model's weights in the tensor type ``type_name`` (:data:`GGUF_TYPES`): the model's own
+    GGUF file when its linears already have that type, else one written from it (cached)."""
+    import gguf
+
+    origin = source.source_gguf(model, folder)
+    if origin is None:
+        return GgufChoice(None, f"no GGUF for {folder} to derive a {type_name} file from; pass --gguf FILE")
+    reader = gguf.GGUFReader(origin)
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1}
+    blocks = {name for name in types if not name.startswith("F")}
+    if types == {type_name} or (blocks == {type_name}):
+        return GgufChoice(origin, f"{origin.name} (its own {type_name} tensors)")
+    target = source.cache_dir() / "gguf" / f"{origin.stem}-{source.gguf_fingerprint(origin)}-{type_name}.gguf"
+    if not target.is_file():
+        try:
+            dequantize_gguf(origin, target, type_name)
+        except Exception as exc:  # the gguf package raises NotImplementedError, ValueError, …
+            return GgufChoice(None, f"could not write a {type_name} copy of {origin} with the gguf package: {exc}")
+    return GgufChoice(target, f"{origin.name} requantized to {type_name} by the gguf package")
+
+
 def dequantize_gguf(origin: Path, target: Path, dtype_name: str) -> Path:
-    """Write ``origin`` with every tensor dequantized to ``dtype_name`` (float32, float16, bfloat16)."""
+    """Write ``origin`` with every matrix dequantized to ``dtype_name`` (float32, float16, bfloat16), or
+    requantized to a GGUF type name of :data:`GGUF_TYPES` (``Q8_0``, ``Q4_0``, ``Q4_1``, …; round to nearest
+    by the ``gguf`` package, from the dequantized weights)."""
     import gguf
     import numpy as np
 
-    type_name, file_type = _FILE_TYPES[dtype_name]
+    if dtype_name in _FILE_TYPES:
+        type_name, file_type = _FILE_TYPES[dtype_name]
+    else:
+        type_name, file_type = dtype_name, GGUF_TYPES[dtype_name]
     reader = gguf.GGUFReader(origin)
     architecture = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -83,9 +112,10 @@ def dequantize_gguf(origin: Path, target: Path, dtype_name: str) -> Path:
             writer.add_tensor(tensor.name, weights)
         elif type_name == "F16":
             writer.add_tensor(tensor.name, weights.astype(np.float16))
-        elif type_name == "BF16":
-            packed = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.BF16)
-            writer.add_tensor(tensor.name, packed, raw_dtype=gguf.GGMLQuantizationType.BF16)  # uint8 rows
+        else:  # BF16 and the block types: uint8 rows
+            qtype = gguf.GGMLQuantizationType[type_name]
+            packed = gguf.quants.quantize(weights, qtype)
+            writer.add_tensor(tensor.name, packed, raw_dtype=qtype)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -131,6 +131,9 @@ def serve_command(config: BenchConfig, spec: ServerSpec, port: int) -> list[str]
             command += ["--speculative-num-draft-tokens", str(e.speculative_num_draft_tokens)]
     if e.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    command += ["--quantization", e.quantization]
+    if spec.block_size > 1:
+        command += ["--speculative-draft-quantization", e.speculative_draft_quantization]
     command.append("--adaptive-threads" if e.adaptive_threads else "--no-adaptive-threads")
     return command
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash2.bench.config import ENGINE, LLAMA, TRANSFORMERS, BenchConfig, MethodSpec
-from dflash2.bench.gguf_export import choose_gguf
+from dflash2.bench.gguf_export import choose_gguf, typed_gguf
 from dflash2.bench.runners import GenerationSample
 from dflash2.bench.stats import RunRecord, SpeedRow, summarize
 from dflash2.bench.worker import WorkerError, WorkerHandle
@@ -97,6 +97,7 @@ def worker_spec(
                 tree_topk=method.tree_topk,
                 tree_nodes=method.tree_nodes,
                 tensor_parallel_size=method.tensor_parallel_size,
+                quantization=method.quantization,
             ).to_dict(),
         }
     if method.runner == TRANSFORMERS:
@@ -158,10 +159,19 @@ class _Session:
                 result.status, result.message = "skipped", reason
                 self.progress(f"skipping {method.id}: {reason}")
                 continue
+            method_gguf = gguf
             if method.runner == LLAMA:
-                result.info["gguf_note"] = gguf_note
+                note = gguf_note
+                if method.gguf_type:
+                    choice = typed_gguf(config.engine.model, self.workload.folder, method.gguf_type)
+                    method_gguf, note = choice.path, choice.note
+                    if method_gguf is None:
+                        result.status, result.message = "skipped", note
+                        self.progress(f"skipping {method.id}: {note}")
+                        continue
+                result.info["gguf_note"] = note
             handle = WorkerHandle(
-                method.id, worker_spec(config, method, self.workload, eos, gguf), log_dir / f"{method.id}.log"
+                method.id, worker_spec(config, method, self.workload, eos, method_gguf), log_dir / f"{method.id}.log"
             )
             # One worker loads at a time: a loading engine times its step costs for adaptive
             # speculation, and other workers compiling or loading beside it on the same cores skewed

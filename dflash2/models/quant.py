@@ -113,9 +113,12 @@ def _scale_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 
 def pack(g: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Lay ``g`` out for the kernel: ``(qweight [⌈N/8⌉, K/G, 8, G·bits/8] uint8, scales [⌈N/8⌉, K/G, 8],
-    offsets like scales or None)``; features past N are zero. In a 4-bit group of 32, byte ``j`` holds
-    code ``j`` in its low nibble and code ``j + 16`` in its high one.
+    """Lay ``g`` out for the kernel (``csrc/quant_linear.cpp``): ``(qweight [⌈N/8⌉, K/G, G·bits/32, 32]
+    uint8, scales [⌈N/8⌉, K/G, 8], offsets like scales or None)``; features past N are zero.
+
+    Blocks of 8 output features, group after group; in a group, 32-byte vectors whose 32-bit lane ``n``
+    holds feature ``n``'s codes for a step of inputs: 4-bit, vector ``t`` = inputs ``8t … 8t + 7``
+    (input ``8t + i`` in bits ``4i … 4i + 3``); 8-bit, vector ``t`` = inputs ``4t … 4t + 3`` (one byte each).
 
     Raises:
         ValueError: a (bits, group size) the kernel does not run (:data:`KERNEL_FORMATS`).
@@ -126,10 +129,12 @@ def pack(g: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     size, groups, blocks = g.group_size, k // g.group_size, -(-n // BLOCK)
     codes = torch.zeros(blocks * BLOCK, k, dtype=torch.uint8)
     codes[:n] = g.q.view(torch.uint8) if g.bits == 8 else g.q
-    codes = codes.view(blocks, BLOCK, groups, size).transpose(1, 2)  # [blocks, groups, 8, G]
-    if g.bits == 4:
-        half = size // 2
-        codes = codes[..., :half] | (codes[..., half:] << 4)
+    if g.bits == 4:  # [blocks, n, groups, t, byte j, nibble h]: input 8t + 2j + h
+        split = codes.view(blocks, BLOCK, groups, size // 8, 4, 2)
+        lanes = split[..., 0] | (split[..., 1] << 4)
+    else:  # [blocks, n, groups, t, byte i]: input 4t + i
+        lanes = codes.view(blocks, BLOCK, groups, size // 4, 4)
+    qweight = lanes.permute(0, 2, 3, 1, 4).reshape(blocks, groups, size * g.bits // 32, 32).contiguous()
     dtype = _scale_dtype(g.scales, g.offsets)
 
     def lay_out(values: torch.Tensor) -> torch.Tensor:
@@ -138,7 +143,7 @@ def pack(g: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
         return padded.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().to(dtype)
 
     offsets = None if g.offsets is None else lay_out(g.offsets)
-    return codes.contiguous(), lay_out(g.scales), offsets
+    return qweight, lay_out(g.scales), offsets
 
 
 def unpack(
@@ -146,11 +151,12 @@ def unpack(
 ) -> GroupQuantized:
     """:func:`pack`'s inverse: the logical form of the first ``n`` output features."""
     blocks, groups = qweight.shape[:2]
-    codes = qweight
+    steps = group_size // 8 if bits == 4 else group_size // 4
+    lanes = qweight.view(blocks, groups, steps, BLOCK, 4).permute(0, 3, 1, 2, 4)  # [blocks, n, groups, t, byte]
     if bits == 4:
-        codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
-    q = codes.transpose(1, 2).reshape(blocks * BLOCK, groups * group_size)[:n]
-    q = q.contiguous().view(torch.int8) if bits == 8 else q.contiguous()
+        lanes = torch.stack([lanes & 0x0F, lanes >> 4], dim=-1)
+    q = lanes.reshape(blocks * BLOCK, groups * group_size)[:n].contiguous()
+    q = q.view(torch.int8) if bits == 8 else q
 
     def logical(values: torch.Tensor) -> torch.Tensor:
         return values.float().transpose(1, 2).reshape(blocks * BLOCK, groups)[:n].contiguous()
@@ -197,6 +203,9 @@ class QuantizedLinear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.weight = weight
+        from dflash2.models.cpu_kernels import QUANT
+
+        self.kernel = QUANT.available()  # builds and loads the op the first time
 
     @property
     def nbytes(self) -> int:
@@ -214,7 +223,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` bfloat16 or float32 → ``[..., N]`` in ``x``'s dtype."""
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or not self.kernel:  # dense product of the same weight (slow; checks, GPUs)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.dequantized().to(x.device, x.dtype), bias)
         return torch.ops.dflash2.quant_linear(

@@ -264,7 +264,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: pathlib.Path, strict: bool =
 
 
 def quantize_target(
-    model: nn.Module, method: str, gguf_path: pathlib.Path | None = None, strict: bool = False
+    model: object, method: str, gguf_path: pathlib.Path | None = None, strict: bool = False
 ) -> QuantizationReport:
     """Quantize a loaded target in place by a resolved ``method`` (:func:`resolve_method`).
 
@@ -292,10 +292,11 @@ def quantize_target(
     report = quantize_linears(model, 8 if method == "int8" else 4, skip=("lm_head",))
     if isinstance(head, nn.Linear) and head.in_features % GROUP_SIZE == 0:
         bits = 8 if method == "int8" else 4
-        model.lm_head = QuantizedLinear(quantize_rtn(head.weight.detach(), bits), None, method, weight=head.weight)
+        quantized = QuantizedLinear(quantize_rtn(head.weight.detach(), bits), None, method, weight=head.weight)
+        model.lm_head = quantized  # type: ignore[assignment]
         formats = dict(report.formats)
         formats[method] = formats.get(method, 0) + 1
-        report = QuantizationReport(method, formats, report.dense, report.weight_bytes + model.lm_head.nbytes)
+        report = QuantizationReport(method, formats, report.dense, report.weight_bytes + quantized.nbytes)
     return report
 
 

@@ -5,21 +5,28 @@
 //     w[n][k] = s[n][g] · q[n][k] + o[n][g]        (o = 0 when the format has no offsets)
 // with q a 4-bit unsigned code (0 … 15, G = 32) or an 8-bit signed one (−128 … 127, G = 16 or 32) and
 // s, o float16 or float32. This holds GGUF's Q4_0, Q4_1, Q8_0, the K-quants' sub-blocks and
-// round-to-nearest int4/int8 exactly (dflash2/models/gguf_quants.py). Activations stay float32: every
-// weight is dequantized in registers as fma(q, s, o) — the same float32 value the file's own
-// dequantization gives — and multiplied into float32 sums. Nothing else is rounded.
+// round-to-nearest int4/int8 exactly (dflash2/models/gguf_quants.py). Activations are not quantized:
+//     y[m][n] = Σ_g s[n][g] · (Σ_{k∈g} q[n][k] · x[m][k]) + Σ_g o[n][g] · (Σ_{k∈g} x[m][k])
+// in float32, the codes converted to float32 exactly.
 //
-// Layout (packed once, at load): blocks of 8 output features. qweight [⌈N/8⌉, K/G, 8, G·bits/8]
-// bytes; scales and offsets [⌈N/8⌉, K/G, 8]. Within one feature's group of 32 4-bit codes, byte j
-// holds code j in its low nibble and code j + 16 in its high one; 8-bit codes are one byte each, in
-// order. So the block is one sequential stream: group after group, the 8 features' codes side by side.
+// Layout (packed once, at load): blocks of 8 output features, group after group, so a block is one
+// sequential stream. In a group, one 32-byte vector holds a step of inputs for the 8 features, one
+// 32-bit lane per feature: 4-bit codes, 4 vectors per group of 32, vector t lane n = the 8 codes of
+// feature n for inputs 8t … 8t + 7 (input 8t + i in bits 4i … 4i + 3); 8-bit codes, G/4 vectors, vector
+// t lane n = the codes of feature n for inputs 4t … 4t + 3 (input 4t + i in byte i). Scales and offsets
+// [⌈N/8⌉, K/G, 8].
 //
-// The work per call is reading the bytes of W once and, for every row, one multiply-add per weight.
-// Inputs run along the vector lanes: 8 consecutive codes of one feature are widened to 8 float32
-// weights, which every row of the register tile multiplies with its 8 inputs (the load folds into the
-// multiply-add). A tile is up to 4 rows × 8 features (1 row × 8, 2 × 4 or 4 × 2: at most 8
-// accumulators); each (row, feature) has one accumulator of 8 lanes that takes the groups in order
-// g = 0, 1, … and ends in a fixed horizontal sum, so a row's result does not depend on the other rows,
+// Why this shape (measured on a 2-core AVX2 EPYC, scripts/quant_kernels.py): with AVX2 and float32
+// activations a product is bound by the vector instructions per weight, not by the memory. Features
+// in the lanes let one shuffle (vpshufb) move a code of each of 8 features into its lane, so a weight
+// costs a shuffle, a conversion and a multiply-add (¼ of a mask and a shift for 4-bit codes), and
+// each input is one broadcast value multiplied into 8 features; scales apply once per group and the
+// offsets through the inputs' group sums. Inputs in the lanes (one feature's 8 codes widened per
+// step) ran 1.7× slower: every widening crosses 128-bit lanes and every feature needs its own
+// horizontal sum.
+//
+// Each row has its own accumulators (even and odd input steps of a group, and the running total)
+// that take the groups in order g = 0, 1, …, so a row's result does not depend on the other rows,
 // their number or its place among them. Threads split the blocks of output features.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,91 +38,100 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 8;      // output features per packed block
-constexpr int64_t kRowChunk = 32;  // rows per pass over the weights (their float32 copy stays in L1/L2)
+constexpr int64_t kBlock = 8;        // output features per packed block (one float32 vector)
+constexpr int64_t kMaxRowTile = 3;   // rows per register tile (3 accumulators each)
+constexpr int64_t kBroadcastBytes = 256 * 1024;  // the broadcast inputs of a row chunk stay in L2
 
-// The fixed-order horizontal sum of 8 lanes: ((0+4) + (2+6)) + ((1+5) + (3+7)).
-inline float hsum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+// Byte i of every 32-bit lane moved to that lane's lowest byte (4-bit codes, already masked to a
+// nibble per byte) or its highest byte (8-bit codes, then shifted down with their sign); zeros elsewhere.
+inline __m256i pick_low(int i) {
+  const char b = static_cast<char>(i), z = static_cast<char>(0x80);
+  return _mm256_setr_epi8(b, z, z, z, b + 4, z, z, z, b + 8, z, z, z, b + 12, z, z, z, b, z, z, z, b + 4, z, z, z,
+                          b + 8, z, z, z, b + 12, z, z, z);
+}
+inline __m256i pick_high(int i) {
+  const char b = static_cast<char>(i), z = static_cast<char>(0x80);
+  return _mm256_setr_epi8(z, z, z, b, z, z, z, b + 4, z, z, z, b + 8, z, z, z, b + 12, z, z, z, b, z, z, z, b + 4, z,
+                          z, z, b + 8, z, z, z, b + 12);
 }
 
 template <typename S>
-inline float scalar(const S* p, int64_t i);
-template <>
-inline float scalar<float>(const float* p, int64_t i) {
-  return p[i];
-}
-template <>
-inline float scalar<uint16_t>(const uint16_t* p, int64_t i) {
-  return _cvtsh_ss(p[i]);
-}
-
-// The 8 float32 weights of codes [8v, 8v + 8) of one feature's group, dequantized: fma(q, s, o).
-template <int Bits, int G>
-inline __m256 weights(const uint8_t* codes, int v, __m256 s, __m256 o) {
-  __m256i q;
-  if constexpr (Bits == 4) {
-    // Codes 0–15 in the low nibbles of bytes 0–15, codes 16–31 in the high ones.
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v & 1)));
-    const __m128i nibbles = v < 2 ? bytes : _mm_srli_epi16(bytes, 4);
-    q = _mm256_and_si256(_mm256_cvtepu8_epi32(nibbles), _mm256_set1_epi32(0x0F));
+inline __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
   } else {
-    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v)));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o);
 }
 
-// Rows [0, MR) of x (float32, row stride K) times features [f0, f0 + NR) of one packed block → acc.
-template <int Bits, int G, int MR, int NR, typename S>
-inline void tile(const float* x, int64_t K, const uint8_t* block, const S* scales, const S* offsets, int f0,
-                 float (*out)[kBlock]) {
-  constexpr int kBytes = G * Bits / 8;  // bytes per feature per group
-  constexpr int kVectors = G / 8;
+// Rows [0, MR) times one packed block: out[m][0..8) = Σ_g s·(Σ q·x) + Σ_g o·sx. `xb` holds each row's
+// inputs broadcast 8 times (row stride 8K floats); `sx` each row's group sums (row stride K/G).
+template <int Bits, int G, int MR, typename S>
+inline void block_tile(const float* xb, const float* sx, int64_t K, const uint8_t* block, const S* scales,
+                       const S* offsets, float* out, int64_t ldo) {
+  constexpr int kVectors = Bits == 4 ? G / 8 : G / 4;  // 32-byte code vectors per group
   const int64_t groups = K / G;
-  __m256 acc[MR][NR];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-    _Pragma("GCC unroll 8") for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  }
+  __m256 total[MR];
+  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) total[m] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* codes = block + g * kBlock * kBytes;
-    const S* gs = scales + g * kBlock;
-    const S* go = offsets ? offsets + g * kBlock : nullptr;
-    const float* xg = x + g * G;
-    _Pragma("GCC unroll 8") for (int n = 0; n < NR; ++n) {
-      const __m256 s = _mm256_set1_ps(scalar(gs, f0 + n));
-      const __m256 o = go ? _mm256_set1_ps(scalar(go, f0 + n)) : _mm256_setzero_ps();
-      const uint8_t* fc = codes + (f0 + n) * kBytes;
-      _Pragma("GCC unroll 4") for (int v = 0; v < kVectors; ++v) {
-        const __m256 w = weights<Bits, G>(fc, v, s, o);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-          acc[m][n] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + m * K + 8 * v), acc[m][n]);
+    const __m256i* codes = reinterpret_cast<const __m256i*>(block + g * kVectors * 32);
+    const float* xg = xb + g * G * 8;
+    __m256 even[MR], odd[MR];
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+      even[m] = _mm256_setzero_ps();
+      odd[m] = _mm256_setzero_ps();
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < kVectors; ++t) {
+      const __m256i v = _mm256_loadu_si256(codes + t);
+      if constexpr (Bits == 4) {
+        const __m256i low = _mm256_and_si256(v, nibble);                         // inputs 8t + 2i
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);  // inputs 8t + 2i + 1
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+          const __m256 w0 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, pick_low(i)));
+          const __m256 w1 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, pick_low(i)));
+          const float* xk = xg + (8 * t + 2 * i) * 8;
+          _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+            even[m] = _mm256_fmadd_ps(w0, _mm256_load_ps(xk + m * K * 8), even[m]);
+            odd[m] = _mm256_fmadd_ps(w1, _mm256_load_ps(xk + 8 + m * K * 8), odd[m]);
+          }
+        }
+      } else {
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, pick_high(i)), 24));
+          const float* xk = xg + (4 * t + i) * 8;
+          _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+            if (i % 2 == 0) {
+              even[m] = _mm256_fmadd_ps(w, _mm256_load_ps(xk + m * K * 8), even[m]);
+            } else {
+              odd[m] = _mm256_fmadd_ps(w, _mm256_load_ps(xk + m * K * 8), odd[m]);
+            }
+          }
         }
       }
     }
+    const __m256 s = load8(scales + g * kBlock);
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+      total[m] = _mm256_fmadd_ps(s, _mm256_add_ps(even[m], odd[m]), total[m]);
+    }
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-    _Pragma("GCC unroll 8") for (int n = 0; n < NR; ++n) out[m][f0 + n] = hsum(acc[m][n]);
+  if (offsets) {
+    __m256 shift[MR];
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) shift[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 o = load8(offsets + g * kBlock);
+      _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+        shift[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(sx[m * groups + g]), shift[m]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) total[m] = _mm256_add_ps(total[m], shift[m]);
   }
-}
-
-// All 8 features of a block for rows [0, MR).
-template <int Bits, int G, int MR, typename S>
-inline void block_rows(const float* x, int64_t K, const uint8_t* block, const S* scales, const S* offsets,
-                       float (*out)[kBlock]) {
-  if constexpr (MR == 1) {
-    tile<Bits, G, 1, 8, S>(x, K, block, scales, offsets, 0, out);
-  } else if constexpr (MR == 2) {
-    tile<Bits, G, 2, 4, S>(x, K, block, scales, offsets, 0, out);
-    tile<Bits, G, 2, 4, S>(x, K, block, scales, offsets, 4, out);
-  } else {
-    _Pragma("GCC unroll 4") for (int f = 0; f < kBlock; f += 2) tile<Bits, G, MR, 2, S>(x, K, block, scales, offsets, f, out);
-  }
+  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + m * ldo, total[m]);
 }
 
 template <typename Out>
@@ -130,30 +146,29 @@ inline void store(Out* y, const float* tile_out, const float* bias, int64_t colu
   }
 }
 
-// Rows [0, M) of x times blocks [b0, b1) → y [M, N].
+// Rows [0, M) (broadcast inputs xb, group sums sx) times blocks [b0, b1) → y [M, N].
 template <int Bits, int G, typename S, typename Out>
-void run_blocks(const float* x, const uint8_t* qweight, const S* scales, const S* offsets, const float* bias,
-                int64_t M, int64_t N, int64_t K, Out* y, int64_t b0, int64_t b1) {
+void run_blocks(const float* xb, const float* sx, const uint8_t* qweight, const S* scales, const S* offsets,
+                const float* bias, int64_t M, int64_t N, int64_t K, Out* y, int64_t b0, int64_t b1) {
   const int64_t groups = K / G;
   const int64_t block_bytes = groups * kBlock * (G * Bits / 8);
   const int64_t block_scales = groups * kBlock;
-  alignas(32) float out[4][kBlock];
+  alignas(32) float out[kMaxRowTile][kBlock];
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* block = qweight + b * block_bytes;
     const S* bs = scales + b * block_scales;
     const S* bo = offsets ? offsets + b * block_scales : nullptr;
     const int64_t n0 = b * kBlock, columns = std::min<int64_t>(kBlock, N - n0);
     const float* block_bias = bias ? bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      block_rows<Bits, G, 4, S>(x + m * K, K, block, bs, bo, out);
-      for (int r = 0; r < 4; ++r) store(y + (m + r) * N + n0, out[r], block_bias, columns);
+    for (int64_t m = 0; m < M; m += kMaxRowTile) {
+      const int64_t rows = std::min(kMaxRowTile, M - m);
+      const float* xm = xb + m * K * 8;
+      const float* sm = sx + m * groups;
+      if (rows == 3) block_tile<Bits, G, 3, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 2) block_tile<Bits, G, 2, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 1) block_tile<Bits, G, 1, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      for (int64_t r = 0; r < rows; ++r) store(y + (m + r) * N + n0, out[r], block_bias, columns);
     }
-    const int64_t rest = M - m;
-    if (rest == 3) block_rows<Bits, G, 3, S>(x + m * K, K, block, bs, bo, out);
-    if (rest == 2) block_rows<Bits, G, 2, S>(x + m * K, K, block, bs, bo, out);
-    if (rest == 1) block_rows<Bits, G, 1, S>(x + m * K, K, block, bs, bo, out);
-    for (int64_t r = 0; r < rest; ++r) store(y + (m + r) * N + n0, out[r], block_bias, columns);
   }
 }
 
@@ -172,12 +187,26 @@ std::vector<float> to_float(const at::Tensor& t) {
 template <int Bits, int G, typename S>
 void dispatch_out(const at::Tensor& x, const std::vector<float>& xf, const uint8_t* qw, const S* sp, const S* op,
                   const float* bp, int64_t M, int64_t N, int64_t K, at::Tensor& y) {
-  const int64_t num_blocks = (N + kBlock - 1) / kBlock;
+  const int64_t num_blocks = (N + kBlock - 1) / kBlock, groups = K / G;
+  // Rows per pass: their broadcast inputs (32 bytes per input) stay in L2 while every block reads them.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(M, kBroadcastBytes / (K * 32)));
+  std::vector<float> xb(static_cast<size_t>(chunk * K * 8) + 8);
+  std::vector<float> sx(static_cast<size_t>(chunk * groups));
+  float* xba = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xb.data()) + 31) & ~uintptr_t(31));
   auto run = [&](auto* yp) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t rows = std::min(kRowChunk, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = xf.data() + (m0 + r) * K;
+        for (int64_t k = 0; k < K; ++k) _mm256_store_ps(xba + (r * K + k) * 8, _mm256_set1_ps(xr[k]));
+        for (int64_t g = 0; g < groups; ++g) {  // in input order, the same for every row
+          float sum = 0.0f;
+          for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xr[k];
+          sx[r * groups + g] = sum;
+        }
+      }
       at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-        run_blocks<Bits, G, S>(xf.data() + m0 * K, qw, sp, op, bp, rows, N, K, yp + m0 * N, b0, b1);
+        run_blocks<Bits, G, S>(xba, sx.data(), qw, sp, op, bp, rows, N, K, yp + m0 * N, b0, b1);
       });
     }
   };
@@ -202,8 +231,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         int64_t group_size, int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  qweight.size(2) == kBlock && qweight.size(3) == group_size * bits / 8,
-              "quant_linear: qweight must be a contiguous uint8 [N/8, K/G, 8, G·bits/8] tensor");
+                  qweight.size(3) == 32 && qweight.size(2) * 32 == group_size * bits,
+              "quant_linear: qweight must be a contiguous uint8 [N/8, K/G, G·bits/32, 32] tensor");
   const int64_t N = out_features, K = qweight.size(1) * group_size;
   TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == qweight.size(0), "quant_linear: out_features does not match");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == qweight.size(0) &&
