@@ -121,6 +121,9 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("request_success", "counter",
                    "Finished requests by finish reason (stop, length, abort = client went away, error = engine "
                    "failure).", labels=("finished_reason",), vllm_names=("request_success",)),
+        MetricSpec("model_info", "gauge",
+                   "1, labelled with how the served model's linear weights are held (quantization: none, int8, "
+                   "int4, or a GGUF file's types such as gguf:Q4_1+Q8_0).", labels=("quantization",)),
         MetricSpec("num_requests_running", "gauge", "Requests holding a KV slot after the last engine step.",
                    vllm_names=("num_requests_running",)),
         MetricSpec("num_requests_waiting", "gauge", "Requests queued for a KV slot after the last engine step.",
@@ -242,6 +245,7 @@ class Metrics:
         block_size: int,
         compat: str | None = None,
         max_model_len: int | None = None,
+        quantization: str = "none",
     ) -> None:
         specs = metric_specs(block_size, max_model_len)
         self.families = {spec.name: _Family(spec, registry, model_name, compat) for spec in specs}
@@ -253,6 +257,7 @@ class Metrics:
             self.families["spec_decode_num_accepted_tokens_per_pos"].children(position=str(position))
         for reason in FINISH_REASONS:
             self.families["request_success"].children(finished_reason=reason)
+        self.families["model_info"].set(1, quantization=quantization)
 
     def on_step(self, stats: StepStats) -> None:
         """Counters, acceptance lengths, tokens per step and queue gauges from one engine step."""

@@ -26,6 +26,7 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Any | None
     grammar: GrammarBackend | None = None
+    quantization: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -39,6 +40,7 @@ class ModelInfo:
             vocab_size=engine.vocab_size,
             tokenizer=engine.tokenizer,
             grammar=getattr(engine, "grammar", None),
+            quantization=str(getattr(engine, "quantization", "none")),
         )
 
     def check(self, requested: str | None) -> None:

@@ -702,6 +702,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "dflash2"
     max_model_len: int
+    quantization: str = Field(
+        "none",
+        description="how the linear weights are held: none, int8, int4, or a GGUF file's own types (gguf:Q4_1+Q8_0)",
+    )
 
 
 class ModelList(BaseModel):

@@ -149,7 +149,12 @@ class OpenAIServing:
 
     def list_models(self) -> ModelList:
         """``GET /v1/models``."""
-        card = ModelCard(id=self.model.name, created=self.model.created, max_model_len=self.model.max_model_len)
+        card = ModelCard(
+            id=self.model.name,
+            created=self.model.created,
+            max_model_len=self.model.max_model_len,
+            quantization=self.model.quantization,
+        )
         return ModelList(data=[card])
 
     def retrieve_model(self, model_id: str) -> ModelCard:

@@ -47,7 +47,12 @@ class ServerState:
         """Build metrics and the serving layer for the loaded model; from here on the server is ready."""
         model = ModelInfo.from_engine(engine, self.settings.served_model_name)
         self.metrics = Metrics(
-            self.registry, model.name, engine.block_size, self.settings.metrics_compat, model.max_model_len
+            self.registry,
+            model.name,
+            engine.block_size,
+            self.settings.metrics_compat,
+            model.max_model_len,
+            model.quantization,
         )
         self.client.observer = self.metrics
         self.serving = OpenAIServing(
@@ -58,4 +63,10 @@ class ServerState:
             self.settings.stream_send_timeout,
             self.settings.default_parallel_tool_calls,
         )
-        logger.info("serving %s (block size %d, max_model_len %d)", model.name, engine.block_size, model.max_model_len)
+        logger.info(
+            "serving %s (block size %d, max_model_len %d, weights %s)",
+            model.name,
+            engine.block_size,
+            model.max_model_len,
+            model.quantization,
+        )

@@ -283,13 +283,15 @@ class BenchConfig:
                 for s in defaults
                 if not s.id.endswith("-no-lookup")
             ]
+        defaults = [
+            s
+            for s in engine_specs
+            if (s.family == AR or (s.adaptive and s.tree_topk == 1))
+            and not s.id.endswith("-no-lookup")
+            and not s.tensor_parallel_size
+        ]
         for quantization in self.quantization_rows:  # the baseline and the default, weights held that way
-            defaults = [s for s in engine_specs if s.family == AR or (s.adaptive and s.tree_topk == 1)]
-            engine_specs += [
-                replace(s, id=f"{s.id}-quant-{quantization}", quantization=quantization)
-                for s in defaults
-                if not s.id.endswith("-no-lookup") and not s.tensor_parallel_size
-            ]
+            engine_specs += [replace(s, id=f"{s.id}-quant-{quantization}", quantization=quantization) for s in defaults]
         specs: list[MethodSpec] = []
         for spec in engine_specs:
             if self.engine.enforce_eager:

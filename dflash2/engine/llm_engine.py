@@ -198,6 +198,13 @@ class Engine:
     kv_cache_usage = property(lambda self: self.runner.kv_cache_usage, doc="Fraction of target KV positions in use.")
 
     @property
+    def quantization(self) -> str:
+        """How the target's linear weights are held: ``none``, ``int8``, ``int4`` or the GGUF types
+        (``gguf:Q4_1+Q8_0``; ``dflash2.models.quantize.QuantizationReport.label``)."""
+        report = getattr(self.runner.target, "quantization", None)
+        return str(report.label) if report is not None else "none"
+
+    @property
     def num_candidates(self) -> int:
         """Candidates per slot the drafted path is chosen from (the drafter's; spec §4)."""
         return self.drafter.num_candidates if self.drafter is not None else DEFAULT_TOP_K

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash2.bench.conv_probe import convs_disabled, measure_conv_overhead
-from dflash2.bench.gguf_export import choose_gguf, dequantize_gguf
+from dflash2.bench.gguf_export import choose_gguf, dequantize_gguf, typed_gguf
 from dflash2.bench.runners import EngineRunner, TransformersRunner
 from dflash2.config import EngineConfig
 from dflash2.models import loader
@@ -198,6 +198,32 @@ def test_dequantize_gguf_keeps_metadata_and_values(tmp_path: Path, dtype_name: s
     assert written.shape == (8, 64)
     np.testing.assert_allclose(written, expected, rtol=1e-2, atol=1e-2)
     assert tensors["norm"].tensor_type == gguf.GGMLQuantizationType.F32  # norms stay float32
+
+
+def test_typed_gguf_uses_the_file_of_that_type_or_requantizes_it(tmp_path: Path) -> None:
+    source = tmp_path / "m.Q8_0.gguf"
+    weight = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor(
+        "w", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("norm", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    own = typed_gguf(str(source), tmp_path, "Q8_0")
+    assert own.path == source and "its own Q8_0" in own.note
+    derived = typed_gguf(str(source), tmp_path, "Q4_0")
+    assert derived.path is not None and derived.path != source
+    reader = gguf.GGUFReader(derived.path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["w"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert tensors["norm"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert reader.fields["general.file_type"].contents() == 2  # MOSTLY_Q4_0
+    written = gguf.quants.dequantize(tensors["w"].data, tensors["w"].tensor_type)
+    np.testing.assert_allclose(written, weight, atol=0.2 * np.abs(weight).max())  # 4-bit rounding of the same weights
 
 
 def test_workers_load_one_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -443,6 +443,40 @@ def test_tensor_parallel_rows_split_the_baseline_and_the_default() -> None:
         BenchConfig(tensor_parallel_rows=(1,))
 
 
+def test_quantization_rows_hold_the_baseline_and_the_default_each_way() -> None:
+    config = BenchConfig(
+        methods=("ar", "dflash2", "llama.cpp"),
+        block_sizes=(8,),
+        tree_nodes=(),
+        quantization_rows=("none", "int8"),
+        gguf_types=("Q4_1", "Q8_0"),
+    )
+    specs = {s.id: s for s in config.method_specs()}
+    assert [i for i in specs if "-quant-" in i] == [
+        "ar-quant-none",
+        "dflash2-b8-adaptive-quant-none",
+        "ar-quant-int8",
+        "dflash2-b8-adaptive-quant-int8",
+    ]
+    assert [i for i in specs if i.startswith("llama.cpp")] == ["llama.cpp", "llama.cpp-Q4_1", "llama.cpp-Q8_0"]
+    assert specs["ar-quant-int8"].label == "dflash2 engine, autoregressive (B=1), weights int8"
+    assert specs["llama.cpp-Q8_0"].label == "llama.cpp (llama-cpp-python) on Q8_0"
+    workload = types.SimpleNamespace(folder=Path("unused"))
+    engines = {
+        i: worker_spec(config, specs[i], workload, [], None)["engine"] for i in specs if specs[i].runner == "engine"
+    }  # type: ignore[arg-type]
+    assert engines["ar-quant-none"]["quantization"] == "none" and engines["ar"]["quantization"] == "auto"
+    assert engines["dflash2-b8-adaptive-quant-int8"]["speculative_adaptive"] is True
+    server = serving.serve_command(
+        BenchConfig(engine=EngineConfig(quantization="int4")), serving.ServerSpec("ar"), 8000
+    )
+    assert server[server.index("--quantization") + 1] == "int4"
+    with pytest.raises(ValueError, match="quantization-rows"):
+        BenchConfig(quantization_rows=("fp8",))
+    with pytest.raises(ValueError, match="--gguf-types"):
+        BenchConfig(gguf_types=("Q2_K",))
+
+
 def test_serving_requests_carry_no_seed_so_the_adaptive_policy_runs():
     """A seeded request verifies full blocks without lookup whatever the load: the serving load leaves
     the seed to each server's --seed."""

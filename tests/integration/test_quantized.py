@@ -203,7 +203,7 @@ def write_gguf(path: Path, config: LlamaConfig, types: dict[str, str]) -> dict[s
     for seed, (name, suffix, (rows, cols)) in enumerate(names):
         qtype = gguf.GGMLQuantizationType[types[suffix]]
         data = random_blocks(types[suffix], rows, cols, seed)
-        writer.add_tensor(name, data, raw_shape=(rows, cols), raw_dtype=qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
         weights = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
         dense[name] = processor.process(weights, name).weights  # llama.cpp's Q/K order undone
     writer.write_header_to_file()

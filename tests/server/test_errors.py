@@ -169,6 +169,17 @@ async def test_unknown_model_is_404_and_known_names_work():
         models = (await client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["my-model"]
         assert models["data"][0]["max_model_len"] == 64
+        assert models["data"][0]["quantization"] == "none"
+
+
+async def test_the_weights_format_is_reported_on_models_and_metrics():
+    engine = FakeEngine()
+    engine.quantization = "gguf:Q4_1+Q8_0"  # type: ignore[attr-defined]
+    async with asgi_client(engine) as (client, _):
+        card = (await client.get("/v1/models/fake-model")).json()
+        assert card["quantization"] == "gguf:Q4_1+Q8_0"
+        metrics = (await client.get("/metrics")).text
+        assert 'dflash2_model_info{model_name="fake-model",quantization="gguf:Q4_1+Q8_0"} 1.0' in metrics
 
 
 async def test_api_key_is_enforced_on_the_api_only():

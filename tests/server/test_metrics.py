@@ -28,7 +28,7 @@ COUNTERS = [
     "generation_tokens",
     "request_success",
 ]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cpu_threads"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cpu_threads", "model_info"]
 HISTOGRAMS = [
     "spec_decode_draft_length",
     "spec_decode_prediction_error",
@@ -114,8 +114,10 @@ async def test_every_metric_is_exported_with_model_name_and_moves_after_a_reques
     assert counter("request_success", finished_reason="length") == 1
     assert counter("request_success", finished_reason="abort") == 0
     for gauge in GAUGES:
-        expected = FAKE_THREADS if gauge == "cpu_threads" else 0
+        expected = FAKE_THREADS if gauge == "cpu_threads" else 1 if gauge == "model_info" else 0
         assert value(after[f"dflash2_{gauge}"], f"dflash2_{gauge}") == expected, gauge
+    # The fake engine holds dense weights.
+    assert value(after["dflash2_model_info"], "dflash2_model_info", quantization="none") == 1
     counts = {h: value(after[f"dflash2_{h}"], f"dflash2_{h}_count") for h in HISTOGRAMS}
     assert counts == {
         "spec_decode_draft_length": 2,
