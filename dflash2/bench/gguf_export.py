@@ -51,35 +51,34 @@ def choose_gguf(model: str | None, folder: Path, dtype_name: str, explicit: Path
             "pass --gguf FILE",
         )
     type_name, _ = _FILE_TYPES[dtype_name]
-    target = source.cache_dir() / "gguf" / f"{origin.stem}-{source.gguf_fingerprint(origin)}-{type_name}.gguf"
-    if not target.is_file():
-        try:
-            dequantize_gguf(origin, target, dtype_name)
-        except Exception as exc:  # the gguf package raises NotImplementedError, ValueError, …
-            return GgufChoice(None, f"could not dequantize {origin} with the gguf package: {exc}; pass --gguf FILE")
-    return GgufChoice(target, f"{origin.name} dequantized to {type_name} (the weights this engine loads)")
+    return _written_copy(origin, dtype_name, type_name, "dequantized to", "(the weights this engine loads)")
 
 
 def typed_gguf(model: str | None, folder: Path, type_name: str) -> GgufChoice:
     """A GGUF of the model's weights in the tensor type ``type_name`` (:data:`GGUF_TYPES`): the model's own
-    GGUF file when its linears already have that type, else one written from it (cached)."""
+    GGUF file when its file type (``general.file_type``) is that type, else one written from it (cached)."""
     import gguf
 
     origin = source.source_gguf(model, folder)
     if origin is None:
         return GgufChoice(None, f"no GGUF for {folder} to derive a {type_name} file from; pass --gguf FILE")
-    reader = gguf.GGUFReader(origin)
-    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1}
-    blocks = {name for name in types if not name.startswith("F")}
-    if types == {type_name} or (blocks == {type_name}):
-        return GgufChoice(origin, f"{origin.name} (its own {type_name} tensors)")
+    field = gguf.GGUFReader(origin).fields.get(gguf.Keys.General.FILE_TYPE)
+    if field is not None and int(field.contents()) == GGUF_TYPES[type_name]:
+        return GgufChoice(origin, f"{origin.name} (its own {type_name} file)")
+    return _written_copy(origin, type_name, type_name, "requantized to", "by the gguf package")
+
+
+def _written_copy(origin: Path, dtype_name: str, type_name: str, verb: str, how: str) -> GgufChoice:
+    """``origin`` rewritten in ``type_name`` (:func:`dequantize_gguf`) into the cache, once."""
     target = source.cache_dir() / "gguf" / f"{origin.stem}-{source.gguf_fingerprint(origin)}-{type_name}.gguf"
     if not target.is_file():
         try:
-            dequantize_gguf(origin, target, type_name)
+            dequantize_gguf(origin, target, dtype_name)
         except Exception as exc:  # the gguf package raises NotImplementedError, ValueError, …
-            return GgufChoice(None, f"could not write a {type_name} copy of {origin} with the gguf package: {exc}")
-    return GgufChoice(target, f"{origin.name} requantized to {type_name} by the gguf package")
+            return GgufChoice(
+                None, f"could not write {origin} as {type_name} with the gguf package: {exc}; pass --gguf FILE"
+            )
+    return GgufChoice(target, f"{origin.name} {verb} {type_name} {how}")
 
 
 def dequantize_gguf(origin: Path, target: Path, dtype_name: str) -> Path:

@@ -189,8 +189,10 @@ class _Session:
 
     def _fail(self, method_id: str, exc: Exception) -> None:
         result = self.results[method_id]
-        result.status, result.message = "failed", str(exc).splitlines()[0]
-        self.progress(f"{method_id} failed: {exc}")
+        handle = self.handles.get(method_id)
+        crashed = handle is not None and handle.crashed  # a segmentation fault is not a failed measurement
+        result.status, result.message = "crashed" if crashed else "failed", str(exc).splitlines()[0]
+        self.progress(f"{method_id} {result.status}: {exc}")
         handle = self.handles.pop(method_id, None)
         if handle is not None:
             handle.close()

@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -118,6 +119,24 @@ class WorkerHandle:
             self._replies.close()
             self._replies = None
 
+    @property
+    def crashed(self) -> bool:
+        """True when the child was killed by a signal (a segmentation fault in a peer's native code)."""
+        return self.process is not None and (self.process.returncode or 0) < 0
+
+    def exit_description(self) -> str:
+        """How the child ended: ``crashed: killed by signal SIGSEGV``, ``the worker exited with 1``, …"""
+        code = None if self.process is None else self.process.returncode
+        if code is None:
+            return "the worker exited"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return f"crashed: killed by signal {name}"
+        return f"the worker exited with {code}"
+
     def log_tail(self, num_lines: int = 15) -> str:
         """The last lines of the child's log (for error messages)."""
         try:
@@ -134,13 +153,14 @@ class WorkerHandle:
             if ready:
                 line = self._replies.readline()
                 if not line:
-                    raise WorkerError(f"{self.name}: the worker exited\n{self.log_tail()}")
+                    self.process.wait(timeout=5)
+                    raise WorkerError(f"{self.name}: {self.exit_description()}\n{self.log_tail()}")
                 reply = json.loads(line)
                 if not reply.get("ok"):
                     raise WorkerError(f"{self.name}: {reply.get('error', 'failed')}")
                 return dict(reply)
             if self.process.poll() is not None:
-                raise WorkerError(f"{self.name}: the worker exited with {self.process.returncode}\n{self.log_tail()}")
+                raise WorkerError(f"{self.name}: {self.exit_description()}\n{self.log_tail()}")
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerError(f"{self.name}: no answer within {timeout:.0f} s")
 

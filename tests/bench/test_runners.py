@@ -214,7 +214,7 @@ def test_typed_gguf_uses_the_file_of_that_type_or_requantizes_it(tmp_path: Path)
     writer.write_tensors_to_file()
     writer.close()
     own = typed_gguf(str(source), tmp_path, "Q8_0")
-    assert own.path == source and "its own Q8_0" in own.note
+    assert own.path == source and "its own Q8_0 file" in own.note
     derived = typed_gguf(str(source), tmp_path, "Q4_0")
     assert derived.path is not None and derived.path != source
     reader = gguf.GGUFReader(derived.path)
@@ -253,3 +253,21 @@ def test_workers_load_one_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     names = [m.id for m in config.method_specs()]
     assert len(names) >= 2
     assert events == [e for name in names for e in (f"start {name}", f"ready {name}")]
+
+
+def test_a_worker_killed_by_a_signal_is_a_crash_not_a_failure(tmp_path: Path) -> None:
+    """A peer whose native code segfaults (llama.cpp's AMX build did) is reported as crashed, with the signal."""
+    import subprocess
+    import sys
+
+    from dflash2.bench.worker import WorkerHandle
+
+    handle = WorkerHandle("llama.cpp-Q4_1", {}, tmp_path / "w.log")
+    handle.process = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"], text=True
+    )
+    handle.process.wait()
+    assert handle.crashed and handle.exit_description() == "crashed: killed by signal SIGSEGV"
+    handle.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], text=True)
+    handle.process.wait()
+    assert not handle.crashed and handle.exit_description() == "the worker exited with 3"
