@@ -45,7 +45,7 @@ namespace {
 
 constexpr int64_t kBlock = 8;        // output features per packed block (one float32 vector)
 constexpr int64_t kMaxRowTile = 3;   // rows per register tile (3 accumulators each)
-constexpr int64_t kBroadcastBytes = 256 * 1024;  // the broadcast inputs of a row chunk stay in L2
+constexpr int64_t kRowChunk = 32;    // rows per pass over a thread's blocks (their inputs stay in L2)
 
 // Byte i of every 32-bit lane moved to that lane's lowest byte (4-bit codes, already masked to a
 // nibble per byte) or its highest byte (8-bit codes, then shifted down with their sign); zeros elsewhere.
@@ -69,10 +69,21 @@ inline __m256 load8(const S* p) {
   }
 }
 
-// Rows [0, MR) times one packed block: out[m][0..8) = Σ_g s·(Σ q·x) + Σ_g o·sx. `xb` holds each row's
-// inputs broadcast 8 times (row stride 8K floats); `sx` each row's group sums (row stride K/G).
-template <int Bits, int G, int MR, typename S>
-inline void block_tile(const float* xb, const float* sx, int64_t K, const uint8_t* block, const S* scales,
+// Input k of row m as 8 equal lanes: from `x` laid out wide (each input stored 8 times, row stride 8K
+// floats: a plain load that folds into the multiply-add) or compact (row stride K: a broadcast load).
+template <bool Wide>
+inline __m256 input(const float* x, int64_t K, int m, int64_t k) {
+  if constexpr (Wide) {
+    return _mm256_load_ps(x + (m * K + k) * 8);
+  } else {
+    return _mm256_broadcast_ss(x + m * K + k);
+  }
+}
+
+// Rows [0, MR) times one packed block: out[m][0..8) = Σ_g s·(Σ q·x) + Σ_g o·sx, with `x` wide or compact
+// (see input) and `sx` each row's group sums (row stride K/G).
+template <int Bits, int G, int MR, bool Wide, typename S>
+inline void block_tile(const float* x, const float* sx, int64_t K, const uint8_t* block, const S* scales,
                        const S* offsets, float* out, int64_t ldo) {
   constexpr int kVectors = Bits == 4 ? G / 8 : G / 4;  // 32-byte code vectors per group
   const int64_t groups = K / G;
@@ -81,7 +92,7 @@ inline void block_tile(const float* xb, const float* sx, int64_t K, const uint8_
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i* codes = reinterpret_cast<const __m256i*>(block + g * kVectors * 32);
-    const float* xg = xb + g * G * 8;
+    const int64_t k0 = g * G;
     __m256 even[MR], odd[MR];
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
       even[m] = _mm256_setzero_ps();
@@ -95,21 +106,21 @@ inline void block_tile(const float* xb, const float* sx, int64_t K, const uint8_
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
           const __m256 w0 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, pick_low(i)));
           const __m256 w1 = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, pick_low(i)));
-          const float* xk = xg + (8 * t + 2 * i) * 8;
+          const int64_t k = k0 + 8 * t + 2 * i;
           _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
-            even[m] = _mm256_fmadd_ps(w0, _mm256_load_ps(xk + m * K * 8), even[m]);
-            odd[m] = _mm256_fmadd_ps(w1, _mm256_load_ps(xk + 8 + m * K * 8), odd[m]);
+            even[m] = _mm256_fmadd_ps(w0, input<Wide>(x, K, m, k), even[m]);
+            odd[m] = _mm256_fmadd_ps(w1, input<Wide>(x, K, m, k + 1), odd[m]);
           }
         }
       } else {
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
           const __m256 w = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, pick_high(i)), 24));
-          const float* xk = xg + (4 * t + i) * 8;
+          const int64_t k = k0 + 4 * t + i;
           _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
             if (i % 2 == 0) {
-              even[m] = _mm256_fmadd_ps(w, _mm256_load_ps(xk + m * K * 8), even[m]);
+              even[m] = _mm256_fmadd_ps(w, input<Wide>(x, K, m, k), even[m]);
             } else {
-              odd[m] = _mm256_fmadd_ps(w, _mm256_load_ps(xk + m * K * 8), odd[m]);
+              odd[m] = _mm256_fmadd_ps(w, input<Wide>(x, K, m, k), odd[m]);
             }
           }
         }
@@ -146,9 +157,9 @@ inline void store(Out* y, const float* tile_out, const float* bias, int64_t colu
   }
 }
 
-// Rows [0, M) (broadcast inputs xb, group sums sx) times blocks [b0, b1) → y [M, N].
-template <int Bits, int G, typename S, typename Out>
-void run_blocks(const float* xb, const float* sx, const uint8_t* qweight, const S* scales, const S* offsets,
+// Rows [0, M) (inputs x, wide or compact; group sums sx) times blocks [b0, b1) → y [M, N].
+template <int Bits, int G, bool Wide, typename S, typename Out>
+void run_blocks(const float* x, const float* sx, const uint8_t* qweight, const S* scales, const S* offsets,
                 const float* bias, int64_t M, int64_t N, int64_t K, Out* y, int64_t b0, int64_t b1) {
   const int64_t groups = K / G;
   const int64_t block_bytes = groups * kBlock * (G * Bits / 8);
@@ -162,11 +173,11 @@ void run_blocks(const float* xb, const float* sx, const uint8_t* qweight, const 
     const float* block_bias = bias ? bias + n0 : nullptr;
     for (int64_t m = 0; m < M; m += kMaxRowTile) {
       const int64_t rows = std::min(kMaxRowTile, M - m);
-      const float* xm = xb + m * K * 8;
+      const float* xm = x + m * K * (Wide ? 8 : 1);
       const float* sm = sx + m * groups;
-      if (rows == 3) block_tile<Bits, G, 3, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
-      if (rows == 2) block_tile<Bits, G, 2, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
-      if (rows == 1) block_tile<Bits, G, 1, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 3) block_tile<Bits, G, 3, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 2) block_tile<Bits, G, 2, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 1) block_tile<Bits, G, 1, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
       for (int64_t r = 0; r < rows; ++r) store(y + (m + r) * N + n0, out[r], block_bias, columns);
     }
   }
@@ -188,27 +199,37 @@ template <int Bits, int G, typename S>
 void dispatch_out(const at::Tensor& x, const std::vector<float>& xf, const uint8_t* qw, const S* sp, const S* op,
                   const float* bp, int64_t M, int64_t N, int64_t K, at::Tensor& y) {
   const int64_t num_blocks = (N + kBlock - 1) / kBlock, groups = K / G;
-  // Rows per pass: their broadcast inputs (32 bytes per input) stay in L2 while every block reads them.
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(M, kBroadcastBytes / (K * 32)));
-  std::vector<float> xb(static_cast<size_t>(chunk * K * 8) + 8);
-  std::vector<float> sx(static_cast<size_t>(chunk * groups));
-  float* xba = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xb.data()) + 31) & ~uintptr_t(31));
+  std::vector<float> sx(static_cast<size_t>(M * groups));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {  // in input order, the same for every row
+      float sum = 0.0f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xf[r * K + k];
+      sx[r * groups + g] = sum;
+    }
+  }
+  // One row: its inputs stored 8 times (a plain load per multiply-add, 12 % faster than a broadcast);
+  // more rows: a broadcast load each, from inputs compact enough to stay in L1 (stored wide they
+  // would stream from L2 at every multiply-add, 1.4× slower at 8 rows). Either gives the same bits.
+  std::vector<float> wide;
+  const float* xw = nullptr;
+  if (M == 1) {
+    wide.resize(static_cast<size_t>(K * 8) + 8);
+    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t(31));
+    for (int64_t k = 0; k < K; ++k) _mm256_store_ps(aligned + k * 8, _mm256_set1_ps(xf[k]));
+    xw = aligned;
+  }
   auto run = [&](auto* yp) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t rows = std::min(chunk, M - m0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = xf.data() + (m0 + r) * K;
-        for (int64_t k = 0; k < K; ++k) _mm256_store_ps(xba + (r * K + k) * 8, _mm256_set1_ps(xr[k]));
-        for (int64_t g = 0; g < groups; ++g) {  // in input order, the same for every row
-          float sum = 0.0f;
-          for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += xr[k];
-          sx[r * groups + g] = sum;
+    at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int64_t rows = std::min(kRowChunk, M - m0);
+        if (xw) {
+          run_blocks<Bits, G, true, S>(xw, sx.data(), qw, sp, op, bp, rows, N, K, yp, b0, b1);
+        } else {
+          run_blocks<Bits, G, false, S>(xf.data() + m0 * K, sx.data() + m0 * groups, qw, sp, op, bp, rows, N, K,
+                                        yp + m0 * N, b0, b1);
         }
       }
-      at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-        run_blocks<Bits, G, S>(xba, sx.data(), qw, sp, op, bp, rows, N, K, yp + m0 * N, b0, b1);
-      });
-    }
+    });
   };
   if (x.scalar_type() == at::kFloat) {
     run(y.data_ptr<float>());
