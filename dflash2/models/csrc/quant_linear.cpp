@@ -44,7 +44,7 @@
 namespace {
 
 constexpr int64_t kBlock = 8;        // output features per packed block (one float32 vector)
-constexpr int64_t kMaxRowTile = 3;   // rows per register tile (3 accumulators each)
+constexpr int64_t kMaxRowTile = 5;   // rows per register tile (3 accumulators each; the totals may spill)
 constexpr int64_t kRowChunk = 32;    // rows per pass over a thread's blocks (their inputs stay in L2)
 
 // Byte i of every 32-bit lane moved to that lane's lowest byte (4-bit codes, already masked to a
@@ -175,6 +175,8 @@ void run_blocks(const float* x, const float* sx, const uint8_t* qweight, const S
       const int64_t rows = std::min(kMaxRowTile, M - m);
       const float* xm = x + m * K * (Wide ? 8 : 1);
       const float* sm = sx + m * groups;
+      if (rows == 5) block_tile<Bits, G, 5, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
+      if (rows == 4) block_tile<Bits, G, 4, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
       if (rows == 3) block_tile<Bits, G, 3, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
       if (rows == 2) block_tile<Bits, G, 2, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
       if (rows == 1) block_tile<Bits, G, 1, Wide, S>(xm, sm, K, block, bs, bo, out[0], kBlock);
