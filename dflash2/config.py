@@ -81,8 +81,8 @@ class EngineConfig:
         quantization: weight-only quantized linears (vLLM's ``--quantization``;
             :mod:`dflash2.models.quantize`): ``gguf`` keeps a ``.gguf`` target's own quantized tensors,
             ``int8`` / ``int4`` quantize a float checkpoint at load (round to nearest, groups of 32),
-            ``none`` keeps dense weights; ``auto``: ``gguf`` for a ``.gguf`` target (the embedded
-            default included) on a CPU where the kernel runs, else ``none``.
+            ``none`` keeps dense weights; ``auto``: ``gguf`` for a ``.gguf`` file given as ``model`` on a
+            CPU where the kernel runs, else ``none`` (the embedded default too: measured faster dense).
         speculative_draft_quantization: the drafter's own linears, ``none``, ``int8`` or ``int4``
             (round to nearest; its KV cache stays in the serving dtype).
         tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this

@@ -155,8 +155,8 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         choices=list(QUANTIZATION_CHOICES),
         help="weight-only quantized linears: gguf keeps a .gguf target's own quantized tensors (Q4_0, Q4_1, Q5_0, "
         "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), int8/int4 quantize a float checkpoint at load (round to nearest, groups "
-        "of 32), none keeps dense weights (default auto: gguf for a .gguf target on a CPU where the kernel runs, "
-        "the embedded model included; else none)",
+        "of 32), none keeps dense weights (default auto: gguf for a .gguf file given with --model on a CPU where the "
+        "kernel runs; else none, the embedded model included: its dense copy runs the speculative default faster)",
     )
     g.add_argument(
         "--speculative-draft-quantization",

@@ -8,7 +8,9 @@
 * ``int8`` / ``int4``: every linear of a float checkpoint quantized at load, round to nearest per
   group of 32 (:func:`dflash2.models.quant.quantize_rtn`: int8 symmetric, int4 asymmetric);
 * ``none``: dense weights in the serving dtype (the path without quantization);
-* ``auto`` (the default): ``gguf`` for a ``.gguf`` target where the kernel runs, else ``none``.
+* ``auto`` (the default): ``gguf`` for a ``.gguf`` file the user names, where the kernel runs; else
+  ``none``, the embedded default model included (its dense bfloat16 copy ran the speculative default
+  faster on the CPUs measured: docs/engine.md, "Quantized weights").
 
 The kernel runs on x86 CPUs with AVX2, FMA and F16C; elsewhere ``auto`` serves dense weights and an
 explicit method is an error.
@@ -93,9 +95,12 @@ def kernel_available() -> bool:
     return QUANT.available()
 
 
-def resolve_method(method: str, gguf_path: pathlib.Path | None, device: torch.device, tensor_parallel: bool) -> str:
+def resolve_method(
+    method: str, gguf_path: pathlib.Path | None, device: torch.device, tensor_parallel: bool, embedded: bool = False
+) -> str:
     """The method ``--quantization method`` means for this target and device: ``none``, ``gguf``,
-    ``int8`` or ``int4``.
+    ``int8`` or ``int4``. ``embedded``: the target is the embedded default model, which ``auto`` serves
+    dense.
 
     Raises:
         QuantizationError: an unknown method, ``gguf`` without a ``.gguf`` target, or an explicit
@@ -107,7 +112,7 @@ def resolve_method(method: str, gguf_path: pathlib.Path | None, device: torch.de
     if method == "none":
         return "none"
     if method == "auto":
-        if gguf_path is None or device.type != "cpu" or tensor_parallel or not kernel_available():
+        if embedded or gguf_path is None or device.type != "cpu" or tensor_parallel or not kernel_available():
             return "none"
         return "gguf"
     if method == "gguf" and gguf_path is None:

@@ -293,6 +293,8 @@ def test_a_gguf_that_does_not_match_the_model_is_refused(tmp_path):
 def test_methods_resolve_or_say_what_to_do(tmp_path):
     cpu, gguf = torch.device("cpu"), tmp_path / "m.gguf"
     assert resolve_method("auto", gguf, cpu, tensor_parallel=False) == "gguf"
+    assert resolve_method("auto", gguf, cpu, tensor_parallel=False, embedded=True) == "none"
+    assert resolve_method("gguf", gguf, cpu, tensor_parallel=False, embedded=True) == "gguf"
     assert resolve_method("auto", None, cpu, tensor_parallel=False) == "none"
     assert resolve_method("auto", gguf, cpu, tensor_parallel=True) == "none"
     assert resolve_method("auto", gguf, torch.device("cuda"), tensor_parallel=False) == "none"
