@@ -148,6 +148,10 @@ class EngineConfig:
                 "speculative_draft_quantization (--speculative-draft-quantization) must be one of "
                 + ", ".join(DRAFT_QUANTIZATION_CHOICES)
             )
+        if self.tensor_parallel_size > 1 and self.speculative_draft_quantization != "none":
+            raise ValueError(
+                "--speculative-draft-quantization runs in one process: drop --tensor-parallel-size or the flag"
+            )
         if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
             raise ValueError(
                 f"--quantization {self.quantization} runs in one process: drop --tensor-parallel-size or use "

@@ -58,7 +58,7 @@ _DRAFTER_FLAGS = (
 )
 UNUSED_ENGINE_FLAGS = {
     "data": (*_DRAFTER_FLAGS, "seed", "enable_prefix_caching", "speculative_adaptive"),
-    "train": (*_DRAFTER_FLAGS, "max_num_seqs", "max_model_len", *_DECODING_FLAGS),
+    "train": (*_DRAFTER_FLAGS, "max_num_seqs", "max_model_len", "quantization", *_DECODING_FLAGS),
     # eval measures the drafter over full blocks: no adaptive policy, so no prompt lookup either.
     "eval": (
         "block_size",
@@ -67,6 +67,8 @@ UNUSED_ENGINE_FLAGS = {
         "max_model_len",
         "prompt_lookup_max",
         "prompt_lookup_min",
+        "quantization",
+        "speculative_draft_quantization",
         *_DECODING_FLAGS,
     ),
 }

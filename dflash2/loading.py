@@ -123,7 +123,9 @@ def quantize_loaded_target(
             resolve_method(config.quantization, gguf, config.torch_device, tensor_parallel)  # the device's errors
             quantize_target(target, config.quantization, gguf)  # raises: no native decoder
         return NOT_QUANTIZED
-    method = resolve_method(config.quantization, gguf, config.torch_device, tensor_parallel, config.model is None)
+    method = resolve_method(
+        config.quantization, gguf, config.torch_device, tensor_parallel, config.model is None, resolve_dtype(config)
+    )
     report = quantize_target(target, method, gguf, strict=config.quantization == "gguf")
     target.quantization = report
     logger.info("target %s", report.describe())

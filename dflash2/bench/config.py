@@ -229,8 +229,13 @@ class BenchConfig:
         from dflash2.bench.gguf_export import GGUF_TYPES
         from dflash2.config import QUANTIZATION_CHOICES
 
+        quantized = {q for q in (*self.quantization_rows, self.engine.quantization) if q not in ("auto", "none")}
         checks += [
             (all(q in QUANTIZATION_CHOICES for q in self.quantization_rows), "unknown --quantization-rows value"),
+            (
+                not quantized or (self.engine.tensor_parallel_size == 1 and not self.tensor_parallel_rows),
+                "quantized rows run in one process: drop --tp-rows / --tensor-parallel-size or the quantization",
+            ),
             (all(t in GGUF_TYPES for t in self.gguf_types), f"--gguf-types: choose from {', '.join(GGUF_TYPES)}"),
         ]
         for ok, message in checks:

@@ -37,7 +37,8 @@ _LOAD_TIMEOUT = 1800.0  # seconds; a first run may convert the model or write a 
 
 @dataclass
 class MethodResult:
-    """What happened to one method: ``ok``, ``skipped`` (with why) or ``failed`` (with the error)."""
+    """What happened to one method: ``ok``, ``skipped`` (with why), ``failed`` (with the error) or ``crashed``
+    (its worker killed by a signal, named in the message)."""
 
     spec: MethodSpec
     status: str = "pending"

@@ -14,6 +14,7 @@ llama.cpp child loads ``llamacpp.py`` by path and never imports torch or the dfl
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -153,7 +154,8 @@ class WorkerHandle:
             if ready:
                 line = self._replies.readline()
                 if not line:
-                    self.process.wait(timeout=5)
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # still tearing down: no exit status yet
+                        self.process.wait(timeout=5)
                     raise WorkerError(f"{self.name}: {self.exit_description()}\n{self.log_tail()}")
                 reply = json.loads(line)
                 if not reply.get("ok"):

@@ -189,10 +189,14 @@ def save_drafter(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype 
     training ``counts`` when known; other loaders ignore the file and draft over the full vocabulary).
 
     Raises:
-        RuntimeError: for a pre-packed drafter, which has no dense linear weights.
+        RuntimeError: for a pre-packed or quantized drafter, which has no dense linear weights.
     """
     if drafter.is_prepacked:
         raise RuntimeError("a pre-packed drafter has no dense linear weights to save: save it before prepack()")
+    from dflash2.models.quant import QuantizedLinear
+
+    if any(isinstance(module, QuantizedLinear) for module in drafter.modules()):
+        raise RuntimeError("a quantized drafter has no dense linear weights to save: save it before quantizing")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     drafter.config.save(folder)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DRAFT_QUANTIZATION_CHOICES = ("none", "int8", "int4")
 GROUP_SIZE = 32  # inputs per scale of --quantization int8/int4
+FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are their own exact, dense form
 
 # GGUF tensor names of the Llama-family decoder's linears (llama.cpp's LLM_TENSOR_NAMES).
 _GGUF_LAYER_TENSORS = {
@@ -96,11 +97,16 @@ def kernel_available() -> bool:
 
 
 def resolve_method(
-    method: str, gguf_path: pathlib.Path | None, device: torch.device, tensor_parallel: bool, embedded: bool = False
+    method: str,
+    gguf_path: pathlib.Path | None,
+    device: torch.device,
+    tensor_parallel: bool,
+    embedded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> str:
     """The method ``--quantization method`` means for this target and device: ``none``, ``gguf``,
     ``int8`` or ``int4``. ``embedded``: the target is the embedded default model, which ``auto`` serves
-    dense.
+    dense; ``dtype``: the activations' (the kernel takes bfloat16 and float32).
 
     Raises:
         QuantizationError: an unknown method, ``gguf`` without a ``.gguf`` target, or an explicit
@@ -112,7 +118,9 @@ def resolve_method(
     if method == "none":
         return "none"
     if method == "auto":
-        if embedded or gguf_path is None or device.type != "cpu" or tensor_parallel or not kernel_available():
+        if embedded or gguf_path is None or device.type != "cpu" or tensor_parallel or dtype == torch.float16:
+            return "none"
+        if not kernel_available():
             return "none"
         return "gguf"
     if method == "gguf" and gguf_path is None:
@@ -127,6 +135,10 @@ def resolve_method(
     if device.type != "cpu":
         raise QuantizationError(
             f"--quantization {method} runs on CPUs only ({device} asked): use --quantization none on this device"
+        )
+    if dtype == torch.float16:
+        raise QuantizationError(
+            f"--quantization {method} takes bfloat16 or float32 activations: use --dtype bfloat16 or float32"
         )
     if not kernel_available():
         raise QuantizationError(
@@ -204,15 +216,16 @@ def quantize_from_gguf(model: nn.Module, gguf_path: pathlib.Path, strict: bool =
 
     Each repacked weight is checked against the dense weight the model was loaded with (the same file,
     dequantized by transformers): it must dequantize to exactly that weight (in the model's dtype),
-    in the file's row order or with llama.cpp's Q/K permutation undone. A tensor of a type without a
-    kernel (F16, Q2_K, IQ…) stays dense, with a warning naming the type.
+    in the file's row order or with llama.cpp's Q/K permutation undone. A float tensor (F32, F16, BF16)
+    stays dense (it is its own exact form); a block type without a kernel (Q2_K, Q3_K, IQ…) stays dense
+    with a warning naming the type.
 
     Args:
-        strict: raise instead of leaving a tensor of an unsupported type dense.
+        strict: raise for a block type without a kernel instead of leaving it dense.
 
     Raises:
-        QuantizationError: (``strict``) a tensor type without a kernel, naming it; a file whose tensors
-            do not match the loaded model.
+        QuantizationError: (``strict``) a block type without a kernel, naming it; a file whose tensors
+            do not match the loaded model or cannot be read as their type says.
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
@@ -247,10 +260,12 @@ def quantize_from_gguf(model: nn.Module, gguf_path: pathlib.Path, strict: bool =
         try:
             g = to_group_form(tensor.data, qtype, (layer.out_features, layer.in_features))
         except UnsupportedGGUFType as error:
-            if strict and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            if strict and qtype.name not in FLOAT_TYPES:
                 raise QuantizationError(f"{gguf_name}: {error}") from error
             dense[name] = qtype.name
             continue
+        except ValueError as error:  # a shape or size that does not match the model
+            raise QuantizationError(f"{gguf_path.name}: tensor {gguf_name}: {error}") from error
         matched = _matching_rows(g, layer.weight.detach(), heads)
         if matched is None:
             raise QuantizationError(
@@ -263,8 +278,18 @@ def quantize_from_gguf(model: nn.Module, gguf_path: pathlib.Path, strict: bool =
         setattr(parent, name.rsplit(".", 1)[-1], quantized)
         formats[qtype.name] = formats.get(qtype.name, 0) + 1
         total += quantized.nbytes
+    by_type: dict[str, list[str]] = {}
     for name, why in dense.items():
-        logger.warning("%s stays dense: GGUF type %s has no quantized kernel", name, why)
+        by_type.setdefault(why, []).append(name)
+    for why, names in sorted(by_type.items()):
+        if why in FLOAT_TYPES:
+            logger.info("%d linear layers stay dense: their GGUF tensors are %s", len(names), why)
+        elif why == "no GGUF tensor":
+            logger.warning("%d linear layers stay dense: no GGUF tensor maps to them (%s)", len(names), names[0])
+        else:
+            logger.warning(
+                "%d linear layers stay dense: GGUF type %s has no quantized kernel (%s, …)", len(names), why, names[0]
+            )
     return QuantizationReport("gguf", formats, dense, total)
 
 
@@ -273,9 +298,10 @@ def quantize_target(
 ) -> QuantizationReport:
     """Quantize a loaded target in place by a resolved ``method`` (:func:`resolve_method`).
 
-    ``int8``/``int4`` quantize every decoder linear and the LM head (a tied LM head keeps the
-    embedding's dense weight for the drafter; the embedding itself stays dense: a lookup reads one
-    row). ``gguf`` repacks the file's tensors (:func:`quantize_from_gguf`).
+    ``int8``/``int4`` quantize every decoder linear and the LM head (the LM head keeps its dense weight
+    as ``.weight``, which the drafter shares — the embedding's own tensor when tied, an extra copy when
+    not; the embedding stays dense: a lookup reads one row). ``gguf`` repacks the file's tensors
+    (:func:`quantize_from_gguf`).
 
     Raises:
         QuantizationError: see :func:`quantize_from_gguf`; a target without its own decoder (the
@@ -317,6 +343,11 @@ def quantize_drafter(drafter: nn.Module, method: str) -> QuantizationReport:
     if method not in DRAFT_QUANTIZATION_CHOICES:
         raise QuantizationError(
             f"--speculative-draft-quantization {method!r}: expected one of {', '.join(DRAFT_QUANTIZATION_CHOICES)}"
+        )
+    device = next(drafter.parameters()).device
+    if device.type != "cpu":
+        raise QuantizationError(
+            f"--speculative-draft-quantization {method} runs on CPUs only ({device} asked): drop it on this device"
         )
     if not kernel_available():
         raise QuantizationError(

@@ -17,6 +17,7 @@ from dflash2.config import EngineConfig
 from dflash2.engine_args import add_engine_args
 from dflash2.models import cpu_kernels
 from dflash2.models.llama import TargetModel
+from dflash2.models.loader import save_drafter
 from dflash2.models.quant import QuantizedLinear
 from dflash2.models.quantize import (
     QuantizationError,
@@ -101,6 +102,8 @@ def test_quantized_drafter_keeps_greedy_output(target, reference):
     )
     outputs = LLM.from_engine(tiny_engine(target, drafter, 8)).generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in outputs] == reference
+    with pytest.raises(RuntimeError, match="quantized drafter has no dense linear weights"):
+        save_drafter(drafter, "unused")
 
 
 def test_compiled_quantized_target_equals_eager(target, reference):
@@ -295,6 +298,9 @@ def test_methods_resolve_or_say_what_to_do(tmp_path):
     assert resolve_method("auto", gguf, cpu, tensor_parallel=False) == "gguf"
     assert resolve_method("auto", gguf, cpu, tensor_parallel=False, embedded=True) == "none"
     assert resolve_method("gguf", gguf, cpu, tensor_parallel=False, embedded=True) == "gguf"
+    assert resolve_method("auto", gguf, cpu, tensor_parallel=False, dtype=torch.float16) == "none"
+    with pytest.raises(QuantizationError, match="--dtype bfloat16 or float32"):
+        resolve_method("int4", None, cpu, tensor_parallel=False, dtype=torch.float16)
     assert resolve_method("auto", None, cpu, tensor_parallel=False) == "none"
     assert resolve_method("auto", gguf, cpu, tensor_parallel=True) == "none"
     assert resolve_method("auto", gguf, torch.device("cuda"), tensor_parallel=False) == "none"
@@ -309,6 +315,8 @@ def test_methods_resolve_or_say_what_to_do(tmp_path):
         EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match="one process"):
         EngineConfig(quantization="int4", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="one process"):
+        EngineConfig(speculative_draft_quantization="int8", tensor_parallel_size=2)
 
 
 def test_the_flags_reach_the_config():
