@@ -333,3 +333,30 @@ def test_the_flags_reach_the_config():
 def test_the_fallback_target_refuses_an_explicit_method():
     with pytest.raises(QuantizationError, match="runs through transformers"):
         quantize_target(object(), "int4")
+
+
+@pytest.mark.slow
+def test_the_embedded_q4_1_file_served_at_its_own_quantization_keeps_greedy_output_exact():
+    """The real file end to end: SmolLM2's own Q4_1 GGUF named as --model (auto keeps its quantization),
+    float32 activations, the shipped drafter: greedy speculative output equals autoregressive output."""
+    from dflash2.loading import default_drafter_path
+    from dflash2.models.source import embedded_gguf_path
+
+    kwargs = dict(
+        model=str(embedded_gguf_path()),
+        dtype="float32",
+        enforce_eager=True,
+        max_num_seqs=2,
+        max_model_len=512,
+        adaptive_threads=False,
+        speculative_adaptive=False,
+    )
+    ar = LLM(**kwargs, block_size=1)
+    assert ar.engine.quantization == "gguf:Q4_1+Q8_0"
+    speculative = LLM(**kwargs, drafter=str(default_drafter_path()), block_size=8)
+    prompts = ["Explain what a binary search does.", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    expected = [c.token_ids for c in ar.generate(prompts, greedy)]
+    outputs = speculative.generate(prompts, greedy)
+    assert [c.token_ids for c in outputs] == expected
+    assert sum(c.num_accepted_tokens for c in outputs) > 0
