@@ -79,7 +79,8 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
     device, dtype = config.torch_device, resolve_dtype(config)
     tokenizer = loader.load_tokenizer(folder)
     target = loader.load_target(folder, dtype, device if shard is None else torch.device("cpu"))
-    quantization = quantize_loaded_target(config, target, source.source_gguf(config.model, folder), shard is not None)
+    gguf = source.source_gguf(config.model, folder)
+    quantization = quantize_loaded_target(config, target, gguf, dtype, tensor_parallel=shard is not None)
     drafter = None
     drafter_path = resolve_drafter_path(config)
     if config.block_size != 1:
@@ -108,7 +109,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
 
 
 def quantize_loaded_target(
-    config: EngineConfig, target: Target, gguf: Path | None, tensor_parallel: bool
+    config: EngineConfig, target: Target, gguf: Path | None, dtype: torch.dtype, tensor_parallel: bool
 ) -> QuantizationReport:
     """Apply ``config.quantization`` to a loaded target in place (:mod:`dflash2.models.quantize`), log
     what it did and record it on the target (``target.quantization``).
@@ -118,16 +119,14 @@ def quantize_loaded_target(
     """
     from dflash2.models.quantize import resolve_method
 
-    if not isinstance(target, TargetModel):
-        if config.quantization not in ("auto", "none"):
-            resolve_method(config.quantization, gguf, config.torch_device, tensor_parallel)  # the device's errors
-            quantize_target(target, config.quantization, gguf)  # raises: no native decoder
-        return NOT_QUANTIZED
+    if not isinstance(target, TargetModel) and config.quantization in ("auto", "none"):
+        return NOT_QUANTIZED  # the transformers fallback: dense; an explicit method raises below
     method = resolve_method(
-        config.quantization, gguf, config.torch_device, tensor_parallel, config.model is None, resolve_dtype(config)
+        config.quantization, gguf, config.torch_device, tensor_parallel, config.model is None, dtype
     )
     report = quantize_target(target, method, gguf, strict=config.quantization == "gguf")
-    target.quantization = report
+    if isinstance(target, TargetModel):
+        target.quantization = report
     logger.info("target %s", report.describe())
     return report
 

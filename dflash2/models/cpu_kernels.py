@@ -155,7 +155,8 @@ class CpuKernel:
         """``<dflash2 cache>/kernels/<name>-<hash of the source and the torch version>``."""
         from dflash2.models.source import cache_dir
 
-        sources = b"".join(path.read_bytes() for path in (self.source, *self.extra_sources))
+        headers = sorted(_CSRC.glob("*.h"))  # included by the sources
+        sources = b"".join(path.read_bytes() for path in (self.source, *self.extra_sources, *headers))
         key = hashlib.sha256(sources + torch.__version__.encode()).hexdigest()[:16]
         return cache_dir() / "kernels" / f"{self.source.stem}-{key}"
 

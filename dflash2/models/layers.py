@@ -318,13 +318,12 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     """:func:`fused_linear` for dense parts; for weight-only quantized parts
     (:class:`~dflash2.models.quant.QuantizedLinear`) their codes concatenated, or None where their formats
     differ (a GGUF mix may quantize Q/K and V differently: those stay separate)."""
-    from dflash2.models.quant import QuantizedLinear, fuse_quantized
+    from dflash2.models.quant import QuantizedLinear, fuse_quantized, same_format
 
-    if all(isinstance(p, QuantizedLinear) for p in parts):
-        return fuse_quantized([p for p in parts if isinstance(p, QuantizedLinear)])
-    if any(isinstance(p, QuantizedLinear) for p in parts):
+    if not same_format(parts):
         return None
-    return fused_linear(parts)
+    quantized = [p for p in parts if isinstance(p, QuantizedLinear)]
+    return fuse_quantized(quantized) if quantized else fused_linear(parts)
 
 
 class MLP(nn.Module):
@@ -359,12 +358,9 @@ class FusedMLP(nn.Module):
     @staticmethod
     def can_fuse(mlp: MLP) -> bool:
         """Whether ``mlp``'s gate and up projections share a weight format (always, for dense ones)."""
-        from dflash2.models.quant import QuantizedLinear
+        from dflash2.models.quant import same_format
 
-        gate, up = mlp.gate_proj, mlp.up_proj
-        if isinstance(gate, QuantizedLinear) and isinstance(up, QuantizedLinear):
-            return (gate.bits, gate.group_size, gate.offsets is None) == (up.bits, up.group_size, up.offsets is None)
-        return isinstance(gate, QuantizedLinear) == isinstance(up, QuantizedLinear)
+        return same_format([mlp.gate_proj, mlp.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)

@@ -22,17 +22,14 @@ Dimension letters: N output features, K inputs, G group size, R rows.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
 BLOCK = 8  # output features per packed block (kBlock in quant_linear.cpp)
-QUANTIZATION_METHODS = ("none", "int8", "int4")  # --quantization's values for float checkpoints
 # (bits, group size) pairs the kernel runs.
 KERNEL_FORMATS = ((4, 32), (8, 32), (8, 16))
 
@@ -237,14 +234,18 @@ class QuantizedLinear(nn.Module):
         )
 
 
+def same_format(parts: Sequence[nn.Module]) -> bool:
+    """Whether ``parts`` can be fused into one matrix: all dense, or all :class:`QuantizedLinear` of one
+    format (bits, group size, offsets or not; a GGUF mix can hold Q4_K and Q6_K in one layer)."""
+    formats = {(p.bits, p.group_size, p.offsets is None) if isinstance(p, QuantizedLinear) else None for p in parts}
+    return len(formats) == 1
+
+
 def fuse_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     """One :class:`QuantizedLinear` whose output is the concatenation of ``parts``' outputs, or None
-    when their formats differ (bits, group size; a GGUF mix can hold Q4_K and Q6_K in one layer)."""
+    when their formats differ (:func:`same_format`)."""
     first = parts[0]
-    if any(
-        (p.bits, p.group_size, p.offsets is None) != (first.bits, first.group_size, first.offsets is None)
-        for p in parts
-    ):
+    if not same_format(parts):
         return None
     forms = [p.group_form() for p in parts]
     fused = GroupQuantized(

@@ -157,11 +157,16 @@ def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize_linears(
-    model: nn.Module, bits: int, skip: tuple[str, ...] = (), group_size: int = GROUP_SIZE
+    model: nn.Module,
+    bits: int,
+    skip: tuple[str, ...] = (),
+    keep_weight: tuple[str, ...] = (),
+    group_size: int = GROUP_SIZE,
 ) -> QuantizationReport:
     """Replace every ``nn.Linear`` of ``model`` (but those whose qualified name is in ``skip`` or starts
     with one of them) by a round-to-nearest :class:`QuantizedLinear` of ``bits`` bits, in place. A
-    layer whose inputs are not a multiple of ``group_size`` stays dense (reported).
+    layer whose inputs are not a multiple of ``group_size`` stays dense (reported); the layers named in
+    ``keep_weight`` keep their dense weight as ``.weight`` (an LM head the drafter shares).
 
     Returns:
         The :class:`QuantizationReport` of ``int{bits}``.
@@ -179,6 +184,7 @@ def quantize_linears(
             quantize_rtn(layer.weight.detach(), bits, group_size),
             None if layer.bias is None else layer.bias.detach(),
             f"int{bits}",
+            weight=layer.weight if name in keep_weight else None,
         )
         setattr(parent, name.rsplit(".", 1)[-1], quantized)
         formats[f"int{bits}"] = formats.get(f"int{bits}", 0) + 1
@@ -319,16 +325,7 @@ def quantize_target(
     if method == "gguf":
         assert gguf_path is not None
         return quantize_from_gguf(model, gguf_path, strict=strict)
-    head = model.lm_head
-    report = quantize_linears(model, 8 if method == "int8" else 4, skip=("lm_head",))
-    if isinstance(head, nn.Linear) and head.in_features % GROUP_SIZE == 0:
-        bits = 8 if method == "int8" else 4
-        quantized = QuantizedLinear(quantize_rtn(head.weight.detach(), bits), None, method, weight=head.weight)
-        model.lm_head = quantized  # type: ignore[assignment]
-        formats = dict(report.formats)
-        formats[method] = formats.get(method, 0) + 1
-        report = QuantizationReport(method, formats, report.dense, report.weight_bytes + quantized.nbytes)
-    return report
+    return quantize_linears(model, 8 if method == "int8" else 4, keep_weight=("lm_head",))
 
 
 def quantize_drafter(drafter: nn.Module, method: str) -> QuantizationReport:

@@ -22,12 +22,16 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernel_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+using dflash2_kernels::to_float;
 
 constexpr int64_t kBlock = 24;       // output features per packed block (16 as pairs, 8 single)
 constexpr int64_t kRowTile = 4;      // rows per register tile
@@ -101,19 +105,6 @@ void run_blocks(const float* x, const uint16_t* packed, const float* bias, int64
       default: break;
     }
   }
-}
-
-// A float32 copy of a (bfloat16 or float32) tensor's elements, in row-major order.
-std::vector<float> to_float(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  std::vector<float> out(static_cast<size_t>(c.numel()));
-  if (c.scalar_type() == at::kFloat) {
-    std::memcpy(out.data(), c.data_ptr<float>(), out.size() * sizeof(float));
-  } else {
-    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(p[i]);
-  }
-  return out;
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,

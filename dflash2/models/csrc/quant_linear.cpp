@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernel_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +44,8 @@
 #include <vector>
 
 namespace {
+
+using dflash2_kernels::to_float;
 
 constexpr int64_t kBlock = 8;        // output features per packed block (one float32 vector)
 constexpr int64_t kMaxRowTile = 5;   // rows per register tile (3 accumulators each; the totals may spill)
@@ -183,18 +187,6 @@ void run_blocks(const float* x, const float* sx, const uint8_t* qweight, const S
       for (int64_t r = 0; r < rows; ++r) store(y + (m + r) * N + n0, out[r], block_bias, columns);
     }
   }
-}
-
-std::vector<float> to_float(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  std::vector<float> out(static_cast<size_t>(c.numel()));
-  if (c.scalar_type() == at::kFloat) {
-    std::memcpy(out.data(), c.data_ptr<float>(), out.size() * sizeof(float));
-  } else {
-    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(p[i]);
-  }
-  return out;
 }
 
 template <int Bits, int G, typename S>
