@@ -135,6 +135,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._byte_tokens: dict[int, int] | None = None  # byte → its single-byte token
         self._by_bytes: dict[bytes, list[int]] | None = None  # a token's bytes → the tokens with those bytes
+        self._specials: list[int] | None = None  # the special tokens (a closing path may start with one)
 
     @property
     def llg_tokenizer(self) -> Any:
@@ -226,17 +227,23 @@ class GrammarBackend:
         included) to tokens that close the grammar in time, once the budget is that close; True when it did."""
         if left > MAX_CLOSING_BYTES + BUDGET_RESERVE:  # no closing path is that long: nothing to check
             return False
-        path = self.closing_bytes(matcher)
-        if not path:  # no path found, or the grammar may end here (free text may go on)
+        found = self.closing_path(matcher)
+        if found is None:  # no path found
+            return False
+        lead, path = found
+        if not lead and not path:  # the grammar may end here (free text may go on)
             return False
         tokenizer = self.llg_tokenizer
-        if left > len(tokenizer.tokenize_bytes(path)) + BUDGET_RESERVE:
+        if left > len(lead) + len(tokenizer.tokenize_bytes(path)) + BUDGET_RESERVE:
             return False
-        by_bytes = self._tokens_by_bytes()
-        prefixes = [(k, by_bytes.get(path[:k], [])) for k in range(1, len(path) + 1)]
-        keep = [t for k, ids in prefixes if len(tokenizer.tokenize_bytes(path[k:])) <= left - 1 for t in ids]
-        if not keep:  # too late to fit: close as fast as the path goes
-            keep = [t for _, ids in prefixes for t in ids]
+        if lead:  # the path starts with a special token (a thinking block's end): nothing else closes in time
+            keep = lead[:1]
+        else:
+            by_bytes = self._tokens_by_bytes()
+            prefixes = [(k, by_bytes.get(path[:k], [])) for k in range(1, len(path) + 1)]
+            keep = [t for k, ids in prefixes if len(tokenizer.tokenize_bytes(path[k:])) <= left - 1 for t in ids]
+            if not keep:  # too late to fit: close as fast as the path goes
+                keep = [t for _, ids in prefixes for t in ids]
         allowed = unpack_bitmask(row[None], self.vocab_size)[0]
         keep_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         keep_mask[[t for t in keep if t < self.vocab_size]] = True
@@ -244,6 +251,28 @@ class GrammarBackend:
             return False
         row.copy_(pack_bitmask(allowed & keep_mask))
         return True
+
+    def closing_path(self, matcher: Any) -> tuple[list[int], bytes] | None:
+        """The closing path from the matcher's state: ``(lead, path)``, at most one special token ``lead``
+        followed by the bytes of ``closing_bytes`` from the state after it, or None when none is found.
+
+        A special token leads the path only where the grammar forces no bytes and allows that token, and
+        the walk after it succeeds: the end token of a thinking block (``server/reasoning.py``) is the only
+        way out of the block's free text, which the byte walk alone would extend forever. The matcher is
+        left where it was.
+        """
+        if not matcher.is_accepting() and not matcher.compute_ff_bytes():
+            for token in self._special_tokens():
+                if matcher.try_consume_tokens([token]) != 1:
+                    continue
+                try:
+                    after = self.closing_bytes(matcher)
+                finally:
+                    matcher.rollback(1)
+                if after is not None:
+                    return [token], after
+        path = self.closing_bytes(matcher)
+        return None if path is None else ([], path)
 
     def closing_bytes(self, matcher: Any) -> bytes | None:
         """The closing path from the matcher's state (bytes; see the module docstring), or None when the
@@ -283,6 +312,17 @@ class GrammarBackend:
             singles = {b: tokenizer.tokenize_bytes(bytes([b])) for b in range(256)}
             self._byte_tokens = {b: ids[0] for b, ids in singles.items() if len(ids) == 1}
         return self._byte_tokens
+
+    def _special_tokens(self) -> list[int]:
+        if self._specials is None:
+            tokenizer = self.llg_tokenizer
+            eos = set(tokenizer.eos_tokens)
+            self._specials = [
+                t
+                for t in range(min(self.vocab_size, tokenizer.vocab_size))
+                if tokenizer.is_special_token(t) and t not in eos
+            ]
+        return self._specials
 
     def _tokens_by_bytes(self) -> dict[bytes, list[int]]:
         if self._by_bytes is None:

@@ -120,7 +120,11 @@ async def _become_ready(state: ServerState) -> None:
         engine = await state.client.wait_loaded()
     except Exception:
         return  # logged by the engine thread; /health and /health/ready report it
-    state.on_engine_loaded(engine)
+    try:
+        state.on_engine_loaded(engine)
+    except ValueError as exc:  # a setting the loaded model cannot honour (--reasoning-parser): stop with it
+        logger.error("%s", exc)
+        state.client.load_error = exc
 
 
 class DrainingServer(uvicorn.Server):

@@ -150,6 +150,18 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # An earlier reply's thinking, sent back (vLLM's name, and the newer ``reasoning``): templates that render
+    # it (Qwen3's, for tool-call turns) read ``reasoning_content``.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_on_assistant_turns(self) -> ChatMessage:
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("reasoning_content / reasoning are only for assistant messages")
+        if self.reasoning_content is not None and self.reasoning is not None:
+            raise ValueError("set reasoning_content or reasoning, not both")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -175,6 +187,9 @@ class ChatMessage(StrictModel):
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -554,17 +569,20 @@ class ToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     """``choices[i].message``: ``content`` is null when the reply is only tool calls; ``tool_calls`` is
-    left out when there are none."""
+    left out when there are none, ``reasoning_content`` (the thinking block, with ``--reasoning-parser``)
+    when the reply has none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -619,6 +637,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

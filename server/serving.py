@@ -55,6 +55,7 @@ from server.protocol import (
     TokenizeResponse,
     ToolCall,
 )
+from server.reasoning import Reasoning
 from server.replies import ReplyStream, parse_reply, tool_finish_reason
 from server.streaming import DONE, E, event_stream
 from server.tool_calling import ToolPlan, new_tool_call_id
@@ -83,6 +84,7 @@ class OpenAIServing:
         tool_call_parser: str = "hermes",
         stream_send_timeout: float = 0.0,
         default_parallel_tool_calls: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.client = client
         self.default_parallel_tool_calls = default_parallel_tool_calls
@@ -93,6 +95,9 @@ class OpenAIServing:
         self._token_text = TokenText(model.tokenizer)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="dflash2-tokenizer")
         self.chat_template = ChatTemplate(model, self.tool_parser)
+        self.reasoning = (
+            Reasoning.for_tokenizer(reasoning_parser, model.tokenizer) if reasoning_parser is not None else None
+        )
 
     def close(self) -> None:
         """Stop the tokenizer thread."""
@@ -122,15 +127,16 @@ class OpenAIServing:
         plan = ToolPlan.for_request(request, self.tool_parser, self.default_parallel_tool_calls)
         if self.model.grammar is None:
             plan.without_grammar_engine()
-        messages, kwargs = request.messages, request.chat_template_kwargs
+        messages, kwargs, reasoning = request.messages, request.chat_template_kwargs, self.reasoning
 
         def prompt_ids() -> list[int]:  # on the tokenizer thread: schemas compile there too
             plan.check(self.model.grammar)
-            return self.chat_template.prompt_ids(messages, kwargs, plan=plan)
+            ids = self.chat_template.prompt_ids(messages, kwargs, plan=plan)
+            if reasoning is not None:  # the thinking block comes first; the grammar starts after it
+                plan.with_reasoning(reasoning, reasoning.start_state(ids), self.model.grammar)
+            return ids
 
-        generation = await self._start(
-            request, "chatcmpl", prompt_ids, grammar=plan.grammar, repeat_marker=plan.repeat_marker
-        )
+        generation = await self._start(request, "chatcmpl", prompt_ids, plan=plan)
         return generation, plan
 
     async def create_completion(self, request: CompletionRequest) -> Response:
@@ -192,14 +198,15 @@ class OpenAIServing:
         request: SamplingRequest,
         prefix: str,
         prompt_ids: Callable[[], list[int]],
-        grammar: str | None = None,
-        repeat_marker: str | None = None,
+        plan: ToolPlan | None = None,
     ) -> Generation:
-        """Admit, tokenize and submit a checked request; on any failure nothing stays admitted or queued."""
+        """Admit, tokenize and submit a checked request (its grammar and repeat marker from ``plan``, read once
+        the prompt is rendered); on any failure nothing stays admitted or queued."""
         ticket = self.admission.enter()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             ids = await self._on_tokenizer_thread(prompt_ids)
+            grammar, repeat_marker = (plan.grammar, plan.repeat_marker) if plan is not None else (None, None)
             group = self._submit(request, ids, request_id, grammar, repeat_marker)
         except BaseException:
             ticket.release()
@@ -255,12 +262,16 @@ class OpenAIServing:
     ) -> ChatCompletionResponse:
         choices = []
         for i, state in enumerate(states):
-            content, calls = parse_reply(plan, state)
+            reply = parse_reply(plan, state)
+            calls = reply.calls
             tool_calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(**vars(c))) for c in calls]
+            message = AssistantMessage(
+                content=reply.content, reasoning_content=reply.reasoning, tool_calls=tool_calls or None
+            )
             choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=content, tool_calls=tool_calls or None),
+                    message=message,
                     logprobs=chat_logprobs(state.logprobs, self._token_text) if request.logprobs else None,
                     finish_reason=tool_finish_reason(state.finish_reason, bool(calls)),
                     stop_reason=state.stop_reason,
@@ -337,10 +348,12 @@ class OpenAIServing:
         async for i, output in generation.outputs():
             logprobs = chat_logprobs(output.new_logprobs or [], self._token_text) if request.logprobs else None
             first_index = replies[i].num_calls
-            text, calls = replies[i].feed(output)
-            if text or (logprobs and logprobs.content):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs))
-            for event in call_deltas(i, first_index, calls):
+            reply = replies[i].feed(output)
+            if reply.reasoning:
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(reasoning_content=reply.reasoning)))
+            if reply.content or (logprobs and logprobs.content):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=reply.content), logprobs=logprobs))
+            for event in call_deltas(i, first_index, reply.calls):
                 yield event
             if output.finished:
                 finish = ChatStreamChoice(

@@ -15,6 +15,8 @@ from dflash2.config import EngineConfig
 METRICS_COMPAT_CHOICES = ("vllm",)
 # vLLM's --tool-call-parser names (server/tool_parsers.py implements them).
 TOOL_CALL_PARSER_CHOICES = ("hermes", "llama3_json", "pythonic")
+# vLLM's --reasoning-parser names (server/reasoning.py implements them).
+REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3")
 API_KEY_ENV = "DFLASH2_API_KEY"
 
 
@@ -41,6 +43,8 @@ class ServerSettings:
         default_parallel_tool_calls: ``parallel_tool_calls`` for requests that leave it out. False (as
             llama.cpp's server): a tool-call turn is one call and ends after it on any model; OpenAI's
             true only allows several, so one call is a valid reply either way.
+        reasoning_parser: the thinking-block format of a reasoning model (``deepseek_r1``, ``qwen3``): its
+            thinking goes to ``reasoning_content`` and grammars start after it; None = replies are all content.
         engine: the engine configuration.
     """
 
@@ -56,6 +60,7 @@ class ServerSettings:
     timeout_keep_alive: float = 65.0
     tool_call_parser: str = "hermes"
     default_parallel_tool_calls: bool = False
+    reasoning_parser: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class ServerSettings:
             raise ValueError("timeout_keep_alive must be positive")
         if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSER_CHOICES):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
@@ -138,6 +145,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="parallel_tool_calls for requests that do not set it (default: off, as llama.cpp: a tool-call turn "
         "is one call and ends after it; with it on, a turn of calls ends before a call that repeats one)",
     )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSER_CHOICES,
+        default=_DEFAULTS.reasoning_parser,
+        help="a reasoning model's thinking-block format: its <think>…</think> text goes to reasoning_content and "
+        "grammars (tools, response_format) start after it (default: none, replies are all content)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerSettings:
@@ -155,5 +169,6 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         timeout_keep_alive=args.timeout_keep_alive,
         tool_call_parser=args.tool_call_parser,
         default_parallel_tool_calls=args.default_parallel_tool_calls,
+        reasoning_parser=args.reasoning_parser,
         engine=engine,
     )

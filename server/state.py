@@ -62,6 +62,7 @@ class ServerState:
             self.settings.tool_call_parser,
             self.settings.stream_send_timeout,
             self.settings.default_parallel_tool_calls,
+            self.settings.reasoning_parser,
         )
         logger.info(
             "serving %s (block size %d, max_model_len %d, weights %s)",

@@ -39,6 +39,7 @@ from dflash2.grammar import (
 )
 from server.errors import InvalidRequestError
 from server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from server.reasoning import Reasoning, StartState
 from server.tool_parsers import FunctionTool, ParsedToolCall, ToolCallStreamer, ToolParser
 
 
@@ -78,6 +79,8 @@ class ToolPlan:
             no JSON answer): without a grammar engine it is dropped, and the first call is the reply's.
         repeat_marker: ``SamplingParams.repeat_marker`` for the engine (the format's closing tag of a
             call), or None.
+        reasoning: the server's reasoning parser, and where this request's reply starts relative to the
+            thinking block (``with_reasoning``); None without one.
     """
 
     tools: list[FunctionTool] = field(default_factory=list)
@@ -88,6 +91,7 @@ class ToolPlan:
     parallel: bool = False
     repeat_marker: str | None = None
     one_call_grammar: bool = False
+    reasoning: tuple[Reasoning, StartState] | None = None
 
     @classmethod
     def for_request(
@@ -166,6 +170,23 @@ class ToolPlan:
             backend.check(self.grammar)
         except GrammarError as exc:
             raise InvalidRequestError(f"the tools cannot be enforced together: {exc}", "tools") from exc
+
+    def with_reasoning(self, reasoning: Reasoning, state: StartState, backend: GrammarBackend | None) -> None:
+        """Read the reply's thinking block apart, and start the grammar after it (``server/reasoning.py``);
+        ``check`` has already compiled the request's own grammar.
+
+        Raises:
+            InvalidRequestError: the grammar behind a thinking block does not compile (naming ``tools``).
+        """
+        self.reasoning = (reasoning, state)
+        wrapped = reasoning.wrap_grammar(self.grammar, state)
+        if wrapped is None or wrapped == self.grammar or backend is None:
+            return
+        try:
+            backend.check(wrapped)
+        except GrammarError as exc:
+            raise InvalidRequestError(f"the grammar cannot follow a thinking block: {exc}", "tools") from exc
+        self.grammar = wrapped
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools in the shape chat templates take (``apply_chat_template(tools=…)``)."""

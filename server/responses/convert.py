@@ -109,7 +109,11 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list
         messages.append({"role": "user", "content": request.input})
         sources.append("input")
         return messages, sources
+    thinking: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(request.input):
+        if item.type == "reasoning":
+            thinking = item.text if thinking is None else thinking + item.text
+            continue
         if item.type == "message":
             messages.append({"role": item.role, "content": item.text})
         elif item.type == "function_call":
@@ -118,14 +122,14 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and thinking is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif item.type == "function_call_output":
+        else:  # function_call_output
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-        else:
-            continue  # reasoning
+        if thinking is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thinking = thinking, None
         sources.append(f"input[{i}]")
     return messages, sources
 

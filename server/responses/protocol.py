@@ -107,11 +107,24 @@ class InputFunctionCallOutput(StrictModel):
 
 
 class InputReasoning(BaseModel):
-    """A reasoning item from an earlier reply: accepted and dropped (this model has no reasoning to resume)."""
+    """A reasoning item from an earlier reply: its text reaches the template as the next assistant turn's
+    ``reasoning_content`` (templates that render earlier thinking use it); other fields (``encrypted_content``,
+    ``id``) are accepted and dropped."""
 
     model_config = ConfigDict(extra="allow")
 
     type: Literal["reasoning"]
+    content: list[dict[str, Any]] | None = None
+    summary: list[dict[str, Any]] | None = None
+
+    @property
+    def text(self) -> str:
+        """The thinking text: the ``reasoning_text`` parts, else the ``summary_text`` parts (joined)."""
+        for parts, kind in ((self.content, "reasoning_text"), (self.summary, "summary_text")):
+            texts = [str(p.get("text", "")) for p in parts or () if isinstance(p, dict) and p.get("type") == kind]
+            if texts:
+                return "".join(texts)
+        return ""
 
 
 def _item_kind(value: Any) -> Any:
@@ -362,7 +375,26 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    """A ``reasoning_text`` content part of a reasoning item."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class OutputReasoning(BaseModel):
+    """A ``reasoning`` output item: the thinking block of a reasoning model (``--reasoning-parser``), as text
+    (no summary is written)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: None = None
+    status: ItemStatus = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
@@ -373,7 +405,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    """``usage.output_tokens_details`` (the model has no reasoning tokens)."""
+    """``usage.output_tokens_details`` (reasoning tokens are not counted apart: they are in ``output_tokens``)."""
 
     reasoning_tokens: int = 0
 
@@ -445,11 +477,18 @@ class ResponseObject(BaseModel):
         self.usage = ResponseUsage.from_usage(usage)
 
 
-def output_items(content: str | None, calls: Sequence[ParsedToolCall], incomplete: bool) -> list[OutputItem]:
-    """The output of one reply: a message item when there is text, then one ``function_call`` item per call."""
+def output_items(
+    reasoning: str | None, content: str | None, calls: Sequence[ParsedToolCall], incomplete: bool
+) -> list[OutputItem]:
+    """The output of one reply: a reasoning item when it has a thinking block, a message item when there is text,
+    then one ``function_call`` item per call."""
     items: list[OutputItem] = []
+    status: ItemStatus = "incomplete" if incomplete else "completed"
+    if reasoning is not None:
+        items.append(
+            OutputReasoning(status="completed" if content or calls else status, content=[ReasoningText(text=reasoning)])
+        )
     if content:
-        status: ItemStatus = "incomplete" if incomplete else "completed"
         items.append(OutputMessage(status=status, content=[OutputText(text=content)]))
     items += [OutputFunctionCall(name=call.name, arguments=call.arguments) for call in calls]
     return items
@@ -483,13 +522,34 @@ class OutputItemEvent(StreamEvent):
 
 
 class ContentPartEvent(StreamEvent):
-    """``response.content_part.added`` / ``done``."""
+    """``response.content_part.added`` / ``done`` (a message's ``output_text`` or a reasoning item's
+    ``reasoning_text``)."""
 
     type: Literal["response.content_part.added", "response.content_part.done"]
     item_id: str
     output_index: int
     content_index: int = 0
-    part: OutputText
+    part: OutputText | ReasoningText
+
+
+class ReasoningTextDeltaEvent(StreamEvent):
+    """``response.reasoning_text.delta``: more thinking text of a reasoning item."""
+
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningTextDoneEvent(StreamEvent):
+    """``response.reasoning_text.done``: the whole thinking text of a reasoning item."""
+
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
 
 
 class OutputTextDeltaEvent(StreamEvent):

@@ -58,8 +58,8 @@ class ResponsesServing:
             stream = ResponseStream(response)
             return self.serving.event_stream(self._events(stream, generation, plan), generation, stream.fail, None)
         (state,) = await generation.collect()
-        content, calls = parse_reply(plan, state)
-        response.output = output_items(content, calls, state.is_cut)
+        reply = parse_reply(plan, state)
+        response.output = output_items(reply.reasoning, reply.content, reply.calls, state.is_cut)
         response.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut)
         return JSONResponse(response.model_dump())
 
@@ -102,8 +102,10 @@ class ResponsesServing:
             yield event
         reply = ReplyStream(plan)
         async for _, output in generation.outputs():
-            text, calls = reply.feed(output)
-            for event in stream.text(text) + stream.calls(calls):
+            delta = reply.feed(output)
+            for event in (
+                stream.reasoning(delta.reasoning or "") + stream.text(delta.content or "") + stream.calls(delta.calls)
+            ):
                 yield event
         (state,) = generation.states
         for event in stream.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut):

@@ -1,7 +1,10 @@
 """``ResponseStream``: the Responses stream events of one reply, from its text deltas and completed tool calls.
 
 Events (``event: <type>`` and ``data: <json>``, each with an increasing ``sequence_number``, no ``[DONE]``):
-``response.created`` → ``response.in_progress`` → per text item ``response.output_item.added``,
+``response.created`` → ``response.in_progress`` → for a thinking block (``--reasoning-parser``) a reasoning item:
+``response.output_item.added``, ``response.content_part.added`` (``reasoning_text``),
+``response.reasoning_text.delta``…, ``response.reasoning_text.done``, ``response.content_part.done``,
+``response.output_item.done`` → per text item ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``…, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done`` → per tool call ``response.output_item.added``,
 ``response.function_call_arguments.delta``, ``response.function_call_arguments.done``,
@@ -27,9 +30,13 @@ from server.responses.protocol import (
     OutputItem,
     OutputItemEvent,
     OutputMessage,
+    OutputReasoning,
     OutputText,
     OutputTextDeltaEvent,
     OutputTextDoneEvent,
+    ReasoningText,
+    ReasoningTextDeltaEvent,
+    ReasoningTextDoneEvent,
     ResponseError,
     ResponseLifecycleEvent,
     ResponseObject,
@@ -51,6 +58,7 @@ class ResponseStream:
         self._sequence = 0
         self._message: OutputMessage | None = None
         self._message_index = 0
+        self._reasoning: OutputReasoning | None = None
 
     def start(self) -> list[ServerSentEvent]:
         """``response.created`` and ``response.in_progress``."""
@@ -60,11 +68,28 @@ class ResponseStream:
             self._send(ResponseLifecycleEvent(type="response.in_progress", response=self.response)),
         ]
 
-    def text(self, delta: str) -> list[ServerSentEvent]:
-        """A text delta (opening a message item first when none is open)."""
+    def reasoning(self, delta: str) -> list[ServerSentEvent]:
+        """A thinking-text delta (opening the reasoning item first when none is open)."""
         if not delta:
             return []
         events = []
+        item = self._reasoning
+        if item is None:
+            item = self._reasoning = OutputReasoning(status="in_progress")
+            self.response.output.append(item)
+            events.append(self._send(self._item_event("response.output_item.added", item)))
+            item.content.append(ReasoningText())
+            events.append(self._send(self._reasoning_part_event("response.content_part.added", item)))
+        item.content[0].text += delta
+        index = self.response.output.index(item)
+        events.append(self._send(ReasoningTextDeltaEvent(item_id=item.id, output_index=index, delta=delta)))
+        return events
+
+    def text(self, delta: str) -> list[ServerSentEvent]:
+        """A text delta (closing an open reasoning item, and opening a message item first when none is open)."""
+        if not delta:
+            return []
+        events = self._close_reasoning("completed")
         if self._message is None:
             self._message, self._message_index = OutputMessage(status="in_progress"), len(self.response.output)
             self.response.output.append(self._message)
@@ -79,7 +104,7 @@ class ResponseStream:
 
     def calls(self, calls: Sequence[ParsedToolCall]) -> list[ServerSentEvent]:
         """Completed tool calls: one ``function_call`` item each (closing an open message item first)."""
-        events = self._close_message("completed") if calls else []
+        events = self._close_reasoning("completed") + self._close_message("completed") if calls else []
         for call in calls:
             item, index = (
                 OutputFunctionCall(name=call.name, arguments="", status="in_progress"),
@@ -102,7 +127,8 @@ class ResponseStream:
 
     def finish(self, usage: UsageInfo, incomplete: bool) -> list[ServerSentEvent]:
         """The end: close an open message item, then ``response.completed`` (or ``response.incomplete``)."""
-        events = self._close_message("incomplete" if incomplete else "completed")
+        status: ItemStatus = "incomplete" if incomplete else "completed"
+        events = self._close_reasoning(status) + self._close_message(status)
         self.response.finish(usage, incomplete)
         kind: Literal["response.completed", "response.incomplete"] = (
             "response.incomplete" if incomplete else "response.completed"
@@ -117,6 +143,25 @@ class ResponseStream:
         self.response.status = "failed"
         self.response.error = ResponseError(code=code, message=error_body(exc).error.message)
         return self._send(ResponseLifecycleEvent(type="response.failed", response=self.response))
+
+    def _close_reasoning(self, status: ItemStatus) -> list[ServerSentEvent]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        item.status = status
+        index = self.response.output.index(item)
+        return [
+            self._send(ReasoningTextDoneEvent(item_id=item.id, output_index=index, text=item.content[0].text)),
+            self._send(self._reasoning_part_event("response.content_part.done", item)),
+            self._send(self._item_event("response.output_item.done", item)),
+        ]
+
+    def _reasoning_part_event(
+        self, kind: Literal["response.content_part.added", "response.content_part.done"], item: OutputReasoning
+    ) -> ContentPartEvent:
+        return ContentPartEvent(
+            type=kind, item_id=item.id, output_index=self.response.output.index(item), part=item.content[0]
+        )
 
     def _close_message(self, status: ItemStatus) -> list[ServerSentEvent]:
         message, self._message = self._message, None
