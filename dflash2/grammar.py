@@ -56,6 +56,8 @@ JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separa
 BUDGET_RESERVE = 3
 # The longest closing path walked (bytes); a grammar that needs more is not budgeted.
 MAX_CLOSING_BYTES = 256
+# A walk that chose the same byte this many times running is in free text it would only extend.
+MAX_REPEATED_CLOSER = 32
 # Bytes the closing walk tries first, in order, when the grammar forces none.
 _CLOSERS = tuple(b'"}])>0') + tuple(range(32, 127))
 
@@ -276,10 +278,12 @@ class GrammarBackend:
 
     def closing_bytes(self, matcher: Any) -> bytes | None:
         """The closing path from the matcher's state (bytes; see the module docstring), or None when the
-        walk finds none within ``MAX_CLOSING_BYTES``. The matcher is left where it was."""
+        walk finds none within ``MAX_CLOSING_BYTES``, or free text that the walk would only extend (the same
+        chosen byte ``MAX_REPEATED_CLOSER`` times running). The matcher is left where it was."""
         byte_tokens = self._single_byte_tokens()
         path = bytearray()
         consumed = 0
+        repeated = 0  # the last chosen byte's run
         try:
             while not matcher.is_accepting():
                 if len(path) >= MAX_CLOSING_BYTES or matcher.is_error():
@@ -296,8 +300,11 @@ class GrammarBackend:
                 for byte in _CLOSERS:
                     token = byte_tokens.get(byte)
                     if token is not None and matcher.try_consume_tokens([token]) == 1:
-                        path.append(byte)
                         consumed += 1
+                        repeated = repeated + 1 if path and path[-1] == byte else 1
+                        if repeated > MAX_REPEATED_CLOSER:
+                            return None
+                        path.append(byte)
                         break
                 else:
                     return None

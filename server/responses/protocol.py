@@ -325,8 +325,9 @@ def _input_item(item: Any, loc: tuple[str | int, ...]) -> Any:
             f"input items of type {kind!r} are not supported by this server (only {', '.join(sorted(_ITEM_TYPES))})",
             kind,
         )
-    _check_parts(item.get("content"), (*loc, "content"))
-    _check_parts(item.get("output"), (*loc, "output"))
+    if kind != "reasoning":  # a reasoning item's content is reasoning_text parts
+        _check_parts(item.get("content"), (*loc, "content"))
+        _check_parts(item.get("output"), (*loc, "output"))
     return _validated(model, item, loc)
 
 
