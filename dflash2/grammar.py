@@ -19,7 +19,10 @@ tokens; a rejected draft never touches it, so nothing needs rolling back.
 **Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend
 knows the tokens left r (this one included). From the matcher's state it walks a *closing path*: the
 bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` and then any
-printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms). D, what the grammar needs
+printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms; a walk that picks the same
+byte 32 times running is in free text and finds no path). Where the grammar forces nothing and a special
+token is allowed after which the walk succeeds, the path starts with that token (``closing_path``): the end
+of a reasoning model's thinking block, whose free text the byte walk alone never leaves. D, what the grammar needs
 to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing changes; from then
 on only tokens that follow the path are allowed, and only those after which the rest of the path fits
 in r − 1 tokens (where the grammar may already end, nothing is restricted: free text may go on). The

@@ -15,7 +15,14 @@ from dflash2.outputs import RequestOutput, StepStats
 from dflash2.sampling import SamplingParams
 from server.protocol import UsageInfo
 from server.responses.convert import responses_param
-from server.responses.protocol import OutputFunctionCall, OutputMessage, ResponseObject, ResponsesRequest, output_items
+from server.responses.protocol import (
+    OutputFunctionCall,
+    OutputMessage,
+    OutputReasoning,
+    ResponseObject,
+    ResponsesRequest,
+    output_items,
+)
 from server.responses.stream import ResponseStream
 from server.tool_parsers import ParsedToolCall
 from tests.server.conftest import asgi_client, wait_for
@@ -356,11 +363,17 @@ def test_stream_builder_with_text_calls_and_more_text():
 
 
 def test_output_items_of_a_reply():
-    items = output_items("hello", [ParsedToolCall("f", "{}")], incomplete=False)
+    items = output_items(None, "hello", [ParsedToolCall("f", "{}")], incomplete=False)
     assert isinstance(items[0], OutputMessage) and isinstance(items[1], OutputFunctionCall)
     assert items[1].call_id.startswith("call_") and items[1].arguments == "{}"
-    assert [type(i) for i in output_items(None, [ParsedToolCall("f", "{}")], incomplete=False)] == [OutputFunctionCall]
-    assert output_items("cut", [], incomplete=True)[0].status == "incomplete"
+    calls_only = output_items(None, None, [ParsedToolCall("f", "{}")], incomplete=False)
+    assert [type(i) for i in calls_only] == [OutputFunctionCall]
+    assert output_items(None, "cut", [], incomplete=True)[0].status == "incomplete"
+    # A thinking block comes first; cut inside it, the reasoning item is the incomplete one.
+    thought = output_items("hmm", "hi", [], incomplete=False)
+    assert [type(i) for i in thought] == [OutputReasoning, OutputMessage]
+    assert thought[0].content[0].text == "hmm"
+    assert output_items("hm", None, [], incomplete=True)[0].status == "incomplete"
 
 
 # ---- the openai client ------------------------------------------------------------------------------------
