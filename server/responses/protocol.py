@@ -376,7 +376,8 @@ OutputItem = OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
-    """``usage.input_tokens_details`` (no prompt cache is reported)."""
+    """``usage.input_tokens_details``: ``cached_tokens`` were served from the prefix cache (no cache writes are
+    reported)."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0

@@ -314,3 +314,15 @@ def test_store_unit_bounds_and_reasons():
     assert store.delete("resp_2") and not store.delete("resp_2") and store.why_missing("resp_2") == "it was deleted"
     entry = store.get("resp_3")
     assert entry is not None and entry.context == () and store.num_bytes == entry.num_bytes
+
+
+async def test_the_endpoints_need_the_api_key_and_are_in_the_schema():
+    async with asgi_client(ScriptedEngine(), api_key="secret") as (client, _):
+        for method, path in (("GET", "/resp_x"), ("DELETE", "/resp_x"), ("GET", "/resp_x/input_items")):
+            assert (await client.request(method, PATH + path)).status_code == 401, (method, path)
+        schema = (await client.get("/openapi.json")).json()
+    item = schema["paths"][PATH + "/{response_id}"]
+    assert set(item) == {"get", "delete"} and item["get"]["security"] == [{"bearer": []}]
+    listing = schema["paths"][PATH + "/{response_id}/input_items"]["get"]
+    assert {p["name"] for p in listing["parameters"]} == {"response_id", "limit", "order", "after"}
+    assert {"ResponseItemList", "DeletedResponse"} <= set(schema["components"]["schemas"])
