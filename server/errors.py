@@ -46,6 +46,16 @@ class ModelNotFoundError(APIError):
     """The request names a model this server does not serve."""
 
 
+class ResponseNotFoundError(APIError):
+    """``GET`` / ``DELETE /v1/responses/{id}``: no stored response with that id (never stored, expired, evicted or
+    deleted)."""
+
+
+class PreviousResponseNotFoundError(InvalidRequestError):
+    """``previous_response_id`` names no stored response (OpenAI answers it with 400
+    ``previous_response_not_found``, which clients recover from by sending the whole conversation)."""
+
+
 class TooManyRequestsError(APIError):
     """Over the concurrency limit."""
 
@@ -85,6 +95,8 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     RequestValidationError: ErrorKind(400, "invalid_request_error"),
     AuthenticationError: ErrorKind(401, "authentication_error", "invalid_api_key"),
     ModelNotFoundError: ErrorKind(404, "not_found_error", "model_not_found"),
+    ResponseNotFoundError: ErrorKind(404, "not_found_error", "response_not_found"),
+    PreviousResponseNotFoundError: ErrorKind(400, "invalid_request_error", "previous_response_not_found"),
     PayloadTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     TooManyRequestsError: ErrorKind(429, "rate_limit_error", "rate_limit_exceeded"),
     EngineError: ErrorKind(500, "server_error", "engine_error"),
@@ -160,6 +172,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # Pydantic puts the name of the union member that failed into ``loc``; those are not field names.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# Where FastAPI found a parameter: the first part of its ``loc``, not part of the parameter's name.
+_REQUEST_PARTS = ("body", "query", "path")
 
 
 def _is_field(part: Any) -> bool:
@@ -167,8 +181,11 @@ def _is_field(part: Any) -> bool:
 
 
 def error_param(loc: tuple[Any, ...]) -> str | None:
-    """``("body", "messages", 0, "content", "str")`` → ``"messages[0].content"``."""
-    parts = [p for p in loc[1:] if _is_field(p)] if loc and loc[0] == "body" else [p for p in loc if _is_field(p)]
+    """``("body", "messages", 0, "content", "str")`` → ``"messages[0].content"``; ``("query", "limit")`` →
+    ``"limit"``."""
+    if loc and loc[0] in _REQUEST_PARTS:
+        loc = loc[1:]
+    parts = [p for p in loc if _is_field(p)]
     text = ""
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)

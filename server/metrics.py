@@ -21,6 +21,7 @@ Counting conventions (the traps other engines fell into, decided here):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -28,8 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from dflash2.outputs import StepStats
+from server.responses.store import EVICTION_REASONS
 
 if TYPE_CHECKING:
+    from server.responses.store import ResponseStore
     from server.timings import RequestTimings
 
 PREFIX = "dflash2_"
@@ -131,6 +134,16 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("kv_cache_usage_perc", "gauge",
                    "Fraction (0-1) of target KV-cache positions holding committed tokens.",
                    vllm_names=("kv_cache_usage_perc", "gpu_cache_usage_perc")),
+        MetricSpec("num_stored_responses", "gauge",
+                   "Responses API responses held by this replica's response store (retrievable by id and "
+                   "continuable with previous_response_id)."),
+        MetricSpec("stored_responses_bytes", "gauge",
+                   "JSON bytes held by this replica's response store: each response counts its Response object and "
+                   "every input item it was generated from (a continued conversation counts its whole history)."),
+        MetricSpec("stored_responses_evicted", "counter",
+                   "Stored responses dropped before anyone deleted them, by reason: expired (--responses-store-ttl), "
+                   "max_entries or max_bytes (the store's bounds; max_bytes also counts a response larger than the "
+                   "whole store, never kept).", labels=("reason",)),
         MetricSpec("cpu_threads", "gauge",
                    "torch CPU threads the last engine step ran with: fewer than --threads while other processes "
                    "keep the cores busy (adaptive threads); 0 on CUDA."),
@@ -217,6 +230,11 @@ class _Family:
         for child in self.children(**labels):
             child.set(value)  # type: ignore[attr-defined]
 
+    def set_function(self, read: Callable[[], float]) -> None:
+        """Make a gauge read its value when scraped."""
+        for child in self.children():
+            child.set_function(read)  # type: ignore[attr-defined]
+
     def observe(self, value: float, **labels: str) -> None:
         """Observe a histogram value."""
         for child in self.children(**labels):
@@ -257,6 +275,8 @@ class Metrics:
             self.families["spec_decode_num_accepted_tokens_per_pos"].children(position=str(position))
         for reason in FINISH_REASONS:
             self.families["request_success"].children(finished_reason=reason)
+        for reason in EVICTION_REASONS:
+            self.families["stored_responses_evicted"].children(reason=reason)
         self.families["model_info"].set(1, quantization=quantization)
 
     def on_step(self, stats: StepStats) -> None:
@@ -287,6 +307,15 @@ class Metrics:
         f["num_requests_waiting"].set(stats.num_waiting)
         f["kv_cache_usage_perc"].set(stats.kv_cache_usage)
         f["cpu_threads"].set(stats.num_threads)
+
+    def watch_response_store(self, store: ResponseStore) -> None:
+        """Read the response store's size when scraped (expired responses dropped first)."""
+        self.families["num_stored_responses"].set_function(lambda: store.num_responses)
+        self.families["stored_responses_bytes"].set_function(lambda: store.num_bytes)
+
+    def on_stored_response_evicted(self, reason: str) -> None:
+        """A stored response left the store by expiry or to keep it within its bounds."""
+        self.families["stored_responses_evicted"].inc(1, reason=reason)
 
     def on_first_token(self, timings: RequestTimings) -> None:
         """Time to first token, queue time and prefill time of one request."""

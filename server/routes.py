@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import hmac
 from collections.abc import Awaitable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
@@ -37,8 +37,11 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.responses import retrieval
 from server.responses.protocol import ResponseObject, ResponsesRequest
+from server.responses.retrieval import DeletedResponse, ResponseItemList
 from server.responses.serving import ResponsesServing
+from server.responses.store import ResponseStore
 from server.serving import OpenAIServing
 from server.state import ServerState
 
@@ -49,7 +52,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "Invalid request (the error names the field), or context_length_exceeded"),
         (401, "Missing or wrong API key"),
-        (404, "Unknown model"),
+        (404, "Unknown model, or unknown stored response"),
         (413, "Request body too large"),
         (429, "Too many requests in flight"),
         (500, "The engine failed on this request"),
@@ -106,6 +109,16 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
 Serving = Annotated[OpenAIServing, Depends(ready_serving)]
 
 
+async def response_store(state: State) -> ResponseStore:
+    """The Responses API's response store; 503 while the model loads (it is built with the serving layer)."""
+    if state.responses is None:
+        raise ServiceUnavailableError("the model is still loading")
+    return state.responses
+
+
+Store = Annotated[ResponseStore, Depends(response_store)]
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -151,10 +164,47 @@ async def create_completion(body: CompletionRequest, request: Request, serving: 
     response_model=None,
     responses={200: {"model": ResponseObject, **_RESPONSES_SSE_ALTERNATIVE}},
 )
-async def create_response(body: ResponsesRequest, request: Request, serving: Serving) -> Response:
-    """OpenAI Responses API, stateless: the whole conversation is sent as ``input`` each time (``stream: true``
-    for server-sent events)."""
-    return await until_disconnected(request, ResponsesServing(serving).create_response(body))
+async def create_response(body: ResponsesRequest, request: Request, serving: Serving, store: Store) -> Response:
+    """OpenAI Responses API (``stream: true`` for server-sent events); stored unless ``store: false``, and
+    continued with ``previous_response_id``."""
+    return await until_disconnected(request, ResponsesServing(serving, store).create_response(body))
+
+
+@api.get("/v1/responses/{response_id}", response_model=ResponseObject)
+async def retrieve_response(
+    response_id: str,
+    request: Request,
+    store: Store,
+    stream: bool = False,
+) -> JSONResponse:
+    """A stored response, as it was sent (404 when unknown, expired, evicted or deleted); ``include`` (or
+    ``include[]``, as the openai client sends it) as in ``POST``."""
+    query = request.query_params
+    retrieval.check_query(query, retrieval.RETRIEVE_PARAMS)
+    return JSONResponse(retrieval.retrieve(store, response_id, retrieval.include(query), stream, query.keys()))
+
+
+@api.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, store: Store) -> DeletedResponse:
+    """Forget a stored response."""
+    retrieval.check_query(request.query_params, ())
+    return retrieval.delete(store, response_id)
+
+
+@api.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    store: Store,
+    limit: Annotated[int, Query(ge=1, le=retrieval.MAX_INPUT_ITEMS_LIMIT)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> ResponseItemList:
+    """The items a stored response was generated from (with ``previous_response_id``: the whole conversation
+    before its output), a page at a time; ``include`` as in ``POST``."""
+    query = request.query_params
+    retrieval.check_query(query, retrieval.INPUT_ITEMS_PARAMS)
+    return retrieval.list_input_items(store, response_id, limit, order, after, retrieval.include(query))
 
 
 @api.get("/v1/models")

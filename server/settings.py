@@ -45,6 +45,12 @@ class ServerSettings:
             true only allows several, so one call is a valid reply either way.
         reasoning_parser: the thinking-block format of a reasoning model (``deepseek_r1``, ``qwen3``): its
             thinking goes to ``reasoning_content`` and grammars start after it; None = replies are all content.
+        responses_store_max_entries: Responses API responses kept in memory for ``previous_response_id`` and
+            ``GET /v1/responses/{id}`` (least recently used evicted first); 0 = store nothing (``store: true``
+            is then served without storing, and ``previous_response_id`` is a 400).
+        responses_store_max_bytes: JSON bytes the stored responses may hold together (each counts its Response
+            object and every input item it was generated from).
+        responses_store_ttl: seconds a stored response is kept after it was created.
         engine: the engine configuration.
     """
 
@@ -61,6 +67,9 @@ class ServerSettings:
     tool_call_parser: str = "hermes"
     default_parallel_tool_calls: bool = False
     reasoning_parser: str | None = None
+    responses_store_max_entries: int = 10_000
+    responses_store_max_bytes: int = 256 * 2**20
+    responses_store_ttl: float = 3600.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -82,6 +91,12 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
         if self.reasoning_parser not in (None, *REASONING_PARSER_CHOICES):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}")
+        if self.responses_store_max_entries < 0:
+            raise ValueError("responses_store_max_entries must be non-negative (0 disables the store)")
+        if self.responses_store_max_bytes < 1:
+            raise ValueError("responses_store_max_bytes must be at least 1")
+        if not self.responses_store_ttl > 0:
+            raise ValueError("responses_store_ttl must be positive")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
@@ -152,6 +167,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="a reasoning model's thinking-block format: its <think>…</think> text goes to reasoning_content and "
         "grammars (tools, response_format) start after it (default: none, replies are all content)",
     )
+    g.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=_DEFAULTS.responses_store_max_entries,
+        help="Responses API responses kept in memory for previous_response_id and GET /v1/responses/{id}, least "
+        "recently used evicted first (0: store nothing; store: true is then served without storing; "
+        "default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=_DEFAULTS.responses_store_max_bytes,
+        help="JSON bytes the stored responses may hold together, each counting its input items (default: %(default)s)",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=_DEFAULTS.responses_store_ttl,
+        help="seconds a stored response is kept after it was created (default: %(default)s)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerSettings:
@@ -170,5 +205,8 @@ def settings_from_args(args: argparse.Namespace, engine: EngineConfig) -> Server
         tool_call_parser=args.tool_call_parser,
         default_parallel_tool_calls=args.default_parallel_tool_calls,
         reasoning_parser=args.reasoning_parser,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_ttl=args.responses_store_ttl,
         engine=engine,
     )

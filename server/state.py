@@ -12,6 +12,7 @@ from server.admission import Admission
 from server.engine_client import EngineClient
 from server.metrics import Metrics
 from server.model_info import ModelInfo
+from server.responses.store import ResponseStore
 from server.serving import OpenAIServing
 from server.settings import ServerSettings
 
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class ServerState:
-    """Shared by every route of one app; ``serving`` and ``metrics`` exist once the engine is loaded."""
+    """Shared by every route of one app; ``serving``, ``metrics`` and the Responses API's response store
+    (``responses``) exist once the engine is loaded."""
 
     def __init__(self, settings: ServerSettings, client: EngineClient) -> None:
         self.settings = settings
@@ -33,6 +35,7 @@ class ServerState:
             collector(registry=self.registry)
         self.serving: OpenAIServing | None = None
         self.metrics: Metrics | None = None
+        self.responses: ResponseStore | None = None
 
     @property
     def readiness(self) -> str:
@@ -44,7 +47,8 @@ class ServerState:
         return "loading" if self.serving is None else "ready"
 
     def on_engine_loaded(self, engine: Engine) -> None:
-        """Build metrics and the serving layer for the loaded model; from here on the server is ready."""
+        """Build metrics, the response store and the serving layer for the loaded model; from here on the server is
+        ready."""
         model = ModelInfo.from_engine(engine, self.settings.served_model_name)
         self.metrics = Metrics(
             self.registry,
@@ -55,6 +59,13 @@ class ServerState:
             model.quantization,
         )
         self.client.observer = self.metrics
+        self.responses = ResponseStore(
+            self.settings.responses_store_max_entries,
+            self.settings.responses_store_max_bytes,
+            self.settings.responses_store_ttl,
+            on_evict=self.metrics.on_stored_response_evicted,
+        )
+        self.metrics.watch_response_store(self.responses)
         self.serving = OpenAIServing(
             self.client,
             model,

@@ -2,8 +2,8 @@
 
 Requests are strict, as chat's (``server/protocol.py``): input items, content parts and tools are validated one by
 one so that errors name ``input[i]…`` / ``tools[i]…`` exactly, and an unsupported item, part or tool type is a 400
-naming its ``type``. The server keeps nothing between requests: ``store: true``, ``previous_response_id``,
-``conversation`` and ``background: true`` are 400s that say so (``ResponsesRequest.check``).
+naming its ``type``. ``store`` and ``previous_response_id`` are served by the response store (``store.py``,
+``serving.py``); ``conversation`` and ``background: true`` are 400s that say so (``ResponsesRequest.check``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ INAPPLICABLE_INCLUDES = frozenset(
         "code_interpreter_call.outputs",
     }
 )
-_STATELESS = "this server is stateless and stores no responses or conversations; send the whole conversation as input"
+_NO_CONVERSATIONS = (
+    "this server keeps no conversation objects; continue with previous_response_id, or send the whole "
+    "conversation as input"
+)
 _TEXT_PART_TYPES = ("input_text", "output_text")
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -191,7 +194,8 @@ class TextConfig(StrictModel):
 
 
 class ResponsesRequest(StrictModel):
-    """``POST /v1/responses`` (stateless: the whole conversation comes as ``input`` each time)."""
+    """``POST /v1/responses``: the conversation comes as ``input``, after the stored one of
+    ``previous_response_id`` if given."""
 
     model: str | None = None
     input: str | list[InputItem]
@@ -206,9 +210,10 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     user: str | None = None
     include: list[str] | None = None
-    # Stateful features: only their "off" values are accepted (see ``check``).
+    # None = true, as OpenAI's default (kept unless the server's store is disabled).
     store: bool | None = None
     previous_response_id: str | None = None
+    # Only their "off" values are accepted (see ``check``).
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     # IGNORED_RESPONSES_FIELDS: accepted, logged, no effect here.
@@ -235,26 +240,20 @@ class ResponsesRequest(StrictModel):
         return data
 
     def check(self) -> None:
-        """Reject what a stateless server cannot do, and ``include`` entries it cannot honour; log ignored fields.
+        """Reject what this server cannot do, and ``include`` entries it cannot honour; log ignored fields.
 
         Raises:
             InvalidRequestError: naming the field.
         """
-        if self.store:
-            raise InvalidRequestError(f"store: true is not supported: {_STATELESS} (set store to false)", "store")
-        if self.previous_response_id is not None:
-            raise InvalidRequestError(f"previous_response_id is not supported: {_STATELESS}", "previous_response_id")
         if self.conversation is not None:
-            raise InvalidRequestError(f"conversation is not supported: {_STATELESS}", "conversation")
+            raise InvalidRequestError(f"conversation is not supported: {_NO_CONVERSATIONS}", "conversation")
         if self.background:
             raise InvalidRequestError(
-                "background: true is not supported: this server is stateless and cannot be polled for a response "
+                "background: true is not supported: this server runs no responses in the background to be polled "
                 "later (use stream: true for long generations)",
                 "background",
             )
-        for i, entry in enumerate(self.include or ()):
-            if entry not in INAPPLICABLE_INCLUDES:
-                raise InvalidRequestError(f"include: {entry!r} is not supported by this server", f"include[{i}]")
+        check_include(self.include)
         ignored = [name for name in IGNORED_RESPONSES_FIELDS if getattr(self, name) is not None]
         if self.text is not None and self.text.verbosity is not None:
             ignored.append("text.verbosity")
@@ -270,6 +269,17 @@ class ResponsesRequest(StrictModel):
                 field where it can).
         """
         return chat_conversion(self)
+
+
+def check_include(include: Sequence[str] | None) -> None:
+    """``include`` (of a request, or of a stored response's retrieval): only entries that cannot apply here.
+
+    Raises:
+        InvalidRequestError: naming ``include[i]``.
+    """
+    for i, entry in enumerate(include or ()):
+        if entry not in INAPPLICABLE_INCLUDES:
+            raise InvalidRequestError(f"include: {entry!r} is not supported by this server", f"include[{i}]")
 
 
 def _joined(content: str | list[InputTextPart]) -> str:
@@ -399,7 +409,8 @@ OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
-    """``usage.input_tokens_details`` (no prompt cache is reported)."""
+    """``usage.input_tokens_details``: ``cached_tokens`` were served from the prefix cache (no cache writes are
+    reported)."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0
@@ -466,8 +477,8 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
-    store: Literal[False] = False
-    previous_response_id: None = None
+    store: bool = False
+    previous_response_id: str | None = None
     reasoning: None = None
     user: str | None = None
 

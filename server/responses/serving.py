@@ -4,10 +4,18 @@ The request is converted to chat (``convert.py``) and served by ``OpenAIServing.
 ``tool_choice``, grammar-enforced structured outputs and prompt rendering are exactly those of chat completions;
 errors of the chat path are renamed to the Responses fields. The reply is written as a Response object, or as its
 stream events (``stream.py``).
+
+With ``previous_response_id`` the stored response's input and output items come before the request's input
+(``instructions`` are not carried over, as in OpenAI's API), so the prompt of the next turn starts with the
+tokens of the previous turn's prompt and output wherever the chat template renders history unchanged, and the
+prefix cache serves them. Unless ``store`` is false (or the server's store is disabled) the finished response
+is stored (``store.py``) before the client sees its end: the JSON object returned, or the final event of a
+stream; a stream that fails or is abandoned stores nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,17 +27,21 @@ from server.errors import APIError
 from server.generation import Generation, usage_info
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.replies import ReplyStream, parse_reply
+from server.responses.convert import ChatConversion
 from server.responses.protocol import ResponseObject, ResponsesRequest, TextFormat, output_items
+from server.responses.retrieval import continued, input_items_json, previous_context
+from server.responses.store import JSONObject, ResponseStore
 from server.responses.stream import ResponseStream
 from server.serving import OpenAIServing
 from server.tool_calling import ToolPlan
 
 
 class ResponsesServing:
-    """``POST /v1/responses`` over the chat path of an ``OpenAIServing``."""
+    """``POST /v1/responses`` over the chat path of an ``OpenAIServing``, storing responses in ``store``."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
+        self.store = store
 
     async def create_response(self, request: ResponsesRequest) -> Response:
         """Check, convert and start the chat generation.
@@ -42,7 +54,11 @@ class ResponsesServing:
                 ``ModelNotFoundError``, ``TooManyRequestsError``, …).
         """
         request.check()
-        conversion = request.to_chat()
+        context = (
+            () if request.previous_response_id is None else previous_context(self.store, request.previous_response_id)
+        )
+        own_items = input_items_json(request)
+        conversion = _with_context_sources(continued(request, context).to_chat(), len(context), request)
         chat = conversion.request
         try:
             generation, plan = await self.serving.start_chat(chat)
@@ -54,14 +70,23 @@ class ResponsesServing:
         except BaseException:
             generation.close()
             raise
+        input_items = (*context, *own_items)
         if request.stream:
             stream = ResponseStream(response)
-            return self.serving.event_stream(self._events(stream, generation, plan), generation, stream.fail, None)
+            events = self._events(stream, generation, plan, input_items)
+            return self.serving.event_stream(events, generation, stream.fail, None)
         (state,) = await generation.collect()
         reply = parse_reply(plan, state)
         response.output = output_items(reply.reasoning, reply.content, reply.calls, state.is_cut)
         response.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(self._stored(response, input_items))
+
+    def _stored(self, response: ResponseObject, input_items: tuple[JSONObject, ...]) -> JSONObject:
+        """The finished response as JSON, kept in the store when it says ``store: true``."""
+        body = response.model_dump(mode="json")
+        if response.store:
+            self.store.put(body, input_items)
+        return body
 
     def _new_response(
         self, request: ResponsesRequest, chat: ChatCompletionRequest, generation: Generation
@@ -90,14 +115,16 @@ class ResponsesServing:
             max_output_tokens=request.max_output_tokens,
             text=text,
             metadata=request.metadata or {},
+            store=request.store is not False and self.store.is_enabled,
+            previous_response_id=request.previous_response_id,
             user=request.user,
         )
 
     async def _events(
-        self, stream: ResponseStream, generation: Generation, plan: ToolPlan
+        self, stream: ResponseStream, generation: Generation, plan: ToolPlan, input_items: tuple[JSONObject, ...]
     ) -> AsyncIterator[ServerSentEvent]:
         """The stream's events, from ``response.created`` to ``response.completed`` / ``response.incomplete``
-        (errors and closing: ``streaming.framed``)."""
+        (errors and closing: ``streaming.framed``); the response is stored before its final event is sent."""
         for event in stream.start():
             yield event
         reply = ReplyStream(plan)
@@ -108,5 +135,24 @@ class ResponsesServing:
             ):
                 yield event
         (state,) = generation.states
-        for event in stream.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut):
+        final = stream.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut)
+        self._stored(stream.response, input_items)
+        for event in final:
             yield event
+
+
+def _with_context_sources(conversion: ChatConversion, num_context: int, request: ResponsesRequest) -> ChatConversion:
+    """Errors about the stored items before the input name ``previous_response_id``; the request's own items keep
+    their indices (``input[k]``, or ``input`` for a string)."""
+    if not num_context:
+        return conversion
+    sources = []
+    for source in conversion.sources:
+        index = int(source[len("input[") : -1]) if source.startswith("input[") else None
+        if index is None:
+            sources.append(source)
+        elif index < num_context:
+            sources.append("previous_response_id")
+        else:
+            sources.append("input" if isinstance(request.input, str) else f"input[{index - num_context}]")
+    return dataclasses.replace(conversion, sources=sources)

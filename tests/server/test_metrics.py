@@ -27,8 +27,17 @@ COUNTERS = [
     "prefix_cache_hits",
     "generation_tokens",
     "request_success",
+    "stored_responses_evicted",
 ]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cpu_threads", "model_info"]
+GAUGES = [
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "cpu_threads",
+    "model_info",
+    "num_stored_responses",
+    "stored_responses_bytes",
+]
 HISTOGRAMS = [
     "spec_decode_draft_length",
     "spec_decode_prediction_error",

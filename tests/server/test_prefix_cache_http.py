@@ -49,3 +49,19 @@ def test_cached_tokens_on_chat_completions_and_responses(real_server: ServerThre
         usage = client.post("/v1/responses", json={**responses, "max_output_tokens": 4}).json()["usage"]
         assert usage["input_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 8  # the same history
     assert counter(url, "dflash2_prefix_cache_hits_total") - hits_before >= 2 * (second["prompt_tokens"] - 1)
+
+
+def test_a_continued_response_reuses_the_previous_turn(real_server: ServerThread):
+    """With previous_response_id, the next turn's prompt starts with the previous prompt and output, so the
+    prefix cache serves at least the whole previous prompt."""
+    instructions = long_text()
+    with httpx.Client(base_url=real_server.url, timeout=120) as client:
+        body = {"model": MODEL, "instructions": instructions, "max_output_tokens": 6, "temperature": 0}
+        first = client.post("/v1/responses", json={**body, "input": "Say hi."}).json()
+        second = client.post(
+            "/v1/responses", json={**body, "input": "And bye?", "previous_response_id": first["id"]}
+        ).json()
+    assert second["previous_response_id"] == first["id"]
+    previous = first["usage"]["input_tokens"]
+    assert second["usage"]["input_tokens"] > previous + first["usage"]["output_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= previous

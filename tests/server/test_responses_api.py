@@ -1,5 +1,5 @@
 """``POST /v1/responses`` over ASGI with the fake engine: conversion to chat, Response objects, stream events,
-the ``openai`` client parsing both, and the 400s of a stateless server."""
+the ``openai`` client parsing both, and the 400s (stored responses: ``test_stored_responses.py``)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ async def test_string_input_is_a_completed_response_with_usage():
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 19 + 3,
     }
-    assert body["store"] is False and body["previous_response_id"] is None and body["truncation"] == "disabled"
+    assert body["store"] is True and body["previous_response_id"] is None and body["truncation"] == "disabled"
     assert body["text"] == {"format": {"type": "text"}} and body["tools"] == [] and body["tool_choice"] == "none"
     assert "output_text" not in body
 
@@ -413,7 +413,7 @@ async def test_openai_client_incomplete_and_errors():
         assert response.incomplete_details.reason == "max_output_tokens" and response.output_text == "ab"
         with pytest.raises(openai.BadRequestError) as raised:
             await sdk.responses.create(model="fake-model", input="hi", previous_response_id="resp_1")
-        assert "stateless" in str(raised.value)
+        assert raised.value.code == "previous_response_not_found" and "'resp_1'" in str(raised.value)
 
 
 # ---- errors and ignored fields ----------------------------------------------------------------------------
@@ -422,7 +422,7 @@ async def test_openai_client_incomplete_and_errors():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"store": True}, "store"),
+        ({"store": "yes"}, "store"),
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
@@ -453,8 +453,12 @@ async def test_bad_requests_name_the_responses_field(fields, param):
     async with asgi_client() as (client, _):
         response = await client.post(PATH, json={"input": "hi", **fields})
     error = error_of(response, param)
-    if param in ("store", "previous_response_id", "conversation", "background"):
-        assert "stateless" in error["message"]
+    if param == "previous_response_id":
+        assert error["code"] == "previous_response_not_found" and "'resp_123'" in error["message"]
+    if param == "conversation":
+        assert "continue with previous_response_id" in error["message"]
+    if param == "background":
+        assert "use stream: true" in error["message"]
 
 
 async def test_ignored_fields_are_accepted():
