@@ -109,11 +109,16 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def lark_grammar(lark: str) -> str:
-    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema)."""
+def lark_grammar(lark: str, subgrammars: dict[str, str] | None = None) -> str:
+    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema); ``subgrammars`` are more Lark
+    grammars by name, each referenced as ``@name`` in ``lark`` and lexed on its own (its ``%ignore`` and terminals
+    stay inside it)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    if not subgrammars:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    grammars = [{"lark_grammar": lark}] + [{"name": name, "lark_grammar": g} for name, g in subgrammars.items()]
+    return json.dumps({"grammars": grammars})
 
 
 class GrammarBackend:

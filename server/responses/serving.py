@@ -3,7 +3,8 @@
 The request is converted to chat (``convert.py``) and served by ``OpenAIServing.start_chat``, so tools,
 ``tool_choice``, grammar-enforced structured outputs and prompt rendering are exactly those of chat completions;
 errors of the chat path are renamed to the Responses fields. The reply is written as a Response object, or as its
-stream events (``stream.py``).
+stream events (``stream.py``). Hosted tools the request carries are not offered to the model; the response names
+their types in the ``x-dflash2-ignored-tools`` header (``IGNORED_TOOLS_HEADER``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from server.responses.protocol import ResponseObject, ResponsesRequest, TextForm
 from server.responses.stream import ResponseStream
 from server.serving import OpenAIServing
 from server.tool_calling import ToolPlan
+
+# Names the hosted tool types a request carried and this server left out (comma-separated), when there were any.
+IGNORED_TOOLS_HEADER = "x-dflash2-ignored-tools"
 
 
 class ResponsesServing:
@@ -54,14 +58,17 @@ class ResponsesServing:
         except BaseException:
             generation.close()
             raise
+        headers = {IGNORED_TOOLS_HEADER: ", ".join(request.ignored_tool_types)} if request.ignored_tool_types else {}
         if request.stream:
             stream = ResponseStream(response)
-            return self.serving.event_stream(self._events(stream, generation, plan), generation, stream.fail, None)
+            reply = self.serving.event_stream(self._events(stream, generation, plan), generation, stream.fail, None)
+            reply.headers.update(headers)
+            return reply
         (state,) = await generation.collect()
         content, calls = parse_reply(plan, state)
         response.output = output_items(content, calls, state.is_cut)
         response.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=headers)
 
     def _new_response(
         self, request: ResponsesRequest, chat: ChatCompletionRequest, generation: Generation
@@ -79,9 +86,7 @@ class ResponsesServing:
             model=self.serving.model.name,
             instructions=request.instructions,
             tools=[tool.model_dump(exclude_unset=True) for tool in request.tools or ()],
-            tool_choice={"type": "function", "name": choice.function.name}
-            if isinstance(choice, NamedToolChoice)
-            else choice,
+            tool_choice={"type": choice.type, "name": choice.name} if isinstance(choice, NamedToolChoice) else choice,
             parallel_tool_calls=self.serving.default_parallel_tool_calls
             if request.parallel_tool_calls is None
             else request.parallel_tool_calls,
