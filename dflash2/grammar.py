@@ -18,7 +18,7 @@ tokens; a rejected draft never touches it, so nothing needs rolling back.
 
 **Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend
 knows the tokens left r (this one included). From the matcher's state it walks a *closing path*: the
-bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` and then any
+bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` ``\\n`` and then any
 printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms). D, what the grammar needs
 to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing changes; from then
 on only tokens that follow the path are allowed, and only those after which the rest of the path fits
@@ -57,7 +57,9 @@ BUDGET_RESERVE = 3
 # The longest closing path walked (bytes); a grammar that needs more is not budgeted.
 MAX_CLOSING_BYTES = 256
 # Bytes the closing walk tries first, in order, when the grammar forces none.
-_CLOSERS = tuple(b'"}])>0') + tuple(range(32, 127))
+# A newline comes before the printable bytes: it ends a line of a raw-text grammar (a Lark custom tool's input,
+# followed by "\n</tool_call>") where printable bytes may go on forever.
+_CLOSERS = tuple(b'"}])>0\n') + tuple(range(32, 127))
 
 
 # Keys whose values are data, not subschemas (close_objects leaves them alone).

@@ -129,6 +129,17 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
     return value
 
 
+def check_tool_choice_type(value: Any) -> Any:
+    """A clear refusal for the ``tool_choice`` objects this server does not implement: ``allowed_tools`` and
+    choices of hosted tools (anything but ``function`` and ``custom``); other values pass on to validation."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "allowed_tools":
+        raise ValueError("allowed_tools is not supported; send only the allowed tools in tools instead")
+    if isinstance(kind, str) and kind not in ("function", "custom"):
+        raise ValueError(f"a tool choice of type {kind!r} is not supported (only function and custom tools are served)")
+    return value
+
+
 class StreamOptions(StrictModel):
     """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
 
@@ -450,6 +461,11 @@ class ChatCompletionRequest(SamplingRequest):
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(value)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        return check_tool_choice_type(value)
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

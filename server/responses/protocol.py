@@ -17,11 +17,28 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from server.errors import InvalidRequestError
-from server.protocol import MAX_TOOLS, NAME_PATTERN, FunctionDefinition, StrictModel, TextInputFormat, UsageInfo
+from server.protocol import (
+    MAX_TOOLS,
+    NAME_PATTERN,
+    FunctionDefinition,
+    StrictModel,
+    TextInputFormat,
+    UsageInfo,
+    check_tool_choice_type,
+)
 from server.responses.convert import ChatConversion, chat_conversion
 from server.tool_calling import new_tool_call_id
 from server.tool_parsers import ParsedToolCall
@@ -295,6 +312,11 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        return check_tool_choice_type(value)
 
     @model_validator(mode="before")
     @classmethod
