@@ -19,7 +19,8 @@ tokens; a rejected draft never touches it, so nothing needs rolling back.
 **Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend
 knows the tokens left r (this one included). From the matcher's state it walks a *closing path*: the
 bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` ``\\n`` and then any
-printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms). D, what the grammar needs
+printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms); when that walk finds no end
+(an unbounded run of digits), a second one tries punctuation before digits and letters. D, what the grammar needs
 to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing changes; from then
 on only tokens that follow the path are allowed, and only those after which the rest of the path fits
 in r − 1 tokens (where the grammar may already end, nothing is restricted: free text may go on). The
@@ -60,6 +61,13 @@ MAX_CLOSING_BYTES = 256
 # A newline comes before the printable bytes: it ends a line of a raw-text grammar (a Lark custom tool's input,
 # followed by "\n</tool_call>") where printable bytes may go on forever.
 _CLOSERS = tuple(b'"}])>0\n') + tuple(range(32, 127))
+# The second walk's order, when the first finds no path: punctuation before digits and letters, so an unbounded
+# repetition of digits or letters (a regex tool's ``[0-9]+\+[0-9]+``) is left by the next delimiter it allows.
+_PUNCTUATION_FIRST = (
+    tuple(b'"}])>\n')
+    + tuple(b for b in range(32, 127) if not chr(b).isalnum())
+    + tuple(b for b in range(32, 127) if chr(b).isalnum())
+)
 
 
 # Keys whose values are data, not subschemas (close_objects leaves them alone).
@@ -254,7 +262,12 @@ class GrammarBackend:
 
     def closing_bytes(self, matcher: Any) -> bytes | None:
         """The closing path from the matcher's state (bytes; see the module docstring), or None when the
-        walk finds none within ``MAX_CLOSING_BYTES``. The matcher is left where it was."""
+        walk finds none within ``MAX_CLOSING_BYTES`` (trying ``_CLOSERS`` first, then ``_PUNCTUATION_FIRST``).
+        The matcher is left where it was."""
+        path = self._walk(matcher, _CLOSERS)
+        return path if path is not None else self._walk(matcher, _PUNCTUATION_FIRST)
+
+    def _walk(self, matcher: Any, order: tuple[int, ...]) -> bytes | None:
         byte_tokens = self._single_byte_tokens()
         path = bytearray()
         consumed = 0
@@ -271,7 +284,7 @@ class GrammarBackend:
                         path.append(byte)
                         consumed += 1
                     continue
-                for byte in _CLOSERS:
+                for byte in order:
                     token = byte_tokens.get(byte)
                     if token is not None and matcher.try_consume_tokens([token]) == 1:
                         path.append(byte)
