@@ -18,7 +18,7 @@ import pytest
 
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.grammar import lark_grammar
+from dflash2.grammar import GrammarBackend, lark_grammar
 from dflash2.models import loader, source
 from server.responses.serving import IGNORED_TOOLS_HEADER
 from tests.server.conftest import asgi_client
@@ -423,3 +423,31 @@ async def test_a_lark_tool_needs_the_hermes_format(engine):
         assert regex.status_code == 200, regex.text
         (call,) = regex.json()["choices"][0]["message"]["tool_calls"]
         assert re.fullmatch(CODE_REGEX, call["custom"]["input"])
+
+
+# ---- the budget closes a grammar's input ---------------------------------------------------------------------
+
+SUM_REGEX = "[0-9]+\\+[0-9]+"
+
+
+def test_the_closing_walk_leaves_an_unbounded_run(tokenizer):
+    """The first walk ("0" before other printable bytes) never ends ``[0-9]+``; the second takes "+" first."""
+    backend = GrammarBackend(tokenizer, SMOLLM2_VOCAB)
+    matcher = backend.matcher(lark_grammar(f"start: /{SUM_REGEX}/"))
+    assert matcher.consume_tokens(tokenizer.encode("2222", add_special_tokens=False))
+    path = backend.closing_bytes(matcher)
+    assert path is not None and re.fullmatch(SUM_REGEX, "2222" + path.decode())
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_regex_input_with_an_unbounded_run_closes_within_max_tokens(client, seed):
+    tool = {
+        "type": "custom",
+        "custom": {
+            "name": "add",
+            "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": SUM_REGEX}},
+        },
+    }
+    body = await chat(client, tools=[tool], tool_choice="required", temperature=1.0, seed=seed, max_tokens=32)
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    assert re.fullmatch(SUM_REGEX, call["custom"]["input"]), call
