@@ -22,7 +22,7 @@ from dflash2.grammar import GrammarBackend, lark_grammar
 from dflash2.models import loader, source
 from server.responses.serving import IGNORED_TOOLS_HEADER
 from tests.server.conftest import asgi_client
-from tests.server.test_responses_api import sse
+from tests.server.test_responses_api import sdk_client, sse
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.anyio
@@ -451,3 +451,27 @@ async def test_a_regex_input_with_an_unbounded_run_closes_within_max_tokens(clie
     body = await chat(client, tools=[tool], tool_choice="required", temperature=1.0, seed=seed, max_tokens=32)
     (call,) = body["choices"][0]["message"]["tool_calls"]
     assert re.fullmatch(SUM_REGEX, call["custom"]["input"]), call
+
+
+async def test_the_openai_sdk_parses_custom_tool_calls_and_their_events(client):
+    from openai.types.responses import (
+        ResponseCustomToolCall,
+        ResponseCustomToolCallInputDeltaEvent,
+        ResponseCustomToolCallInputDoneEvent,
+    )
+
+    sdk = sdk_client(client)
+    fields: dict[str, Any] = {
+        "model": "tiny",
+        "input": "Compute.",
+        "tools": [responses_tool(CALC)],
+        "tool_choice": {"type": "custom", "name": "calc"},
+        "max_output_tokens": 60,
+    }
+    response = await sdk.responses.create(**fields)
+    (call,) = response.output
+    assert isinstance(call, ResponseCustomToolCall) and call.name == "calc" and call.input
+    events = [event async for event in await sdk.responses.create(**fields, stream=True)]
+    deltas = [e for e in events if isinstance(e, ResponseCustomToolCallInputDeltaEvent)]
+    (done,) = [e for e in events if isinstance(e, ResponseCustomToolCallInputDoneEvent)]
+    assert "".join(d.delta for d in deltas) == done.input
