@@ -18,13 +18,14 @@ tokens; a rejected draft never touches it, so nothing needs rolling back.
 
 **Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend
 knows the tokens left r (this one included). From the matcher's state it walks a *closing path*: the
-bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` and then any
-printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms; a walk that picks the same
-byte 32 times running is in free text and finds no path). Where the grammar forces nothing and a special
-token is allowed after which the walk succeeds, the path starts with that token (``closing_path``): the end
-of a reasoning model's thinking block, whose free text the byte walk alone never leaves. D, what the grammar needs
-to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing changes; from then
-on only tokens that follow the path are allowed, and only those after which the rest of the path fits
+bytes the grammar forces, else the first allowed of ``"`` ``}`` ``]`` ``)`` ``>`` ``0`` ``\\n`` and then any
+printable byte, until the grammar accepts (``closing_bytes``; about 0.1 ms; a walk that picks the same byte
+32 times running is in free text and finds no path); when that walk finds no end (an unbounded run of
+digits), a second one tries punctuation before digits and letters. Where the grammar forces nothing and a
+special token is allowed after which a walk succeeds, the path starts with that token (``closing_path``):
+the end of a reasoning model's thinking block, whose free text the byte walks alone never leave. D, what
+the grammar needs to finish, is the token count of that path. While r > D + ``BUDGET_RESERVE`` nothing
+changes; from then on only tokens that follow the path are allowed, and only those after which the rest of the path fits
 in r − 1 tokens (where the grammar may already end, nothing is restricted: free text may go on). The
 walk is a function of the state, so the rest of the path after such a token is the walk from the
 state it leads to: the output closes within the budget and parses, however it ends. The reserve
@@ -62,7 +63,16 @@ MAX_CLOSING_BYTES = 256
 # A walk that chose the same byte this many times running is in free text it would only extend.
 MAX_REPEATED_CLOSER = 32
 # Bytes the closing walk tries first, in order, when the grammar forces none.
-_CLOSERS = tuple(b'"}])>0') + tuple(range(32, 127))
+# A newline comes before the printable bytes: it ends a line of a raw-text grammar (a Lark custom tool's input,
+# followed by "\n</tool_call>") where printable bytes may go on forever.
+_CLOSERS = tuple(b'"}])>0\n') + tuple(range(32, 127))
+# The second walk's order, when the first finds no path: punctuation before digits and letters, so an unbounded
+# repetition of digits or letters (a regex tool's ``[0-9]+\+[0-9]+``) is left by the next delimiter it allows.
+_PUNCTUATION_FIRST = (
+    tuple(b'"}])>\n')
+    + tuple(b for b in range(32, 127) if not chr(b).isalnum())
+    + tuple(b for b in range(32, 127) if chr(b).isalnum())
+)
 
 
 # Keys whose values are data, not subschemas (close_objects leaves them alone).
@@ -114,11 +124,16 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def lark_grammar(lark: str) -> str:
-    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema)."""
+def lark_grammar(lark: str, subgrammars: dict[str, str] | None = None) -> str:
+    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema); ``subgrammars`` are more Lark
+    grammars by name, each referenced as ``@name`` in ``lark`` and lexed on its own (its ``%ignore`` and terminals
+    stay inside it)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    if not subgrammars:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    grammars = [{"lark_grammar": lark}] + [{"name": name, "lark_grammar": g} for name, g in subgrammars.items()]
+    return json.dumps({"grammars": grammars})
 
 
 class GrammarBackend:
@@ -281,8 +296,13 @@ class GrammarBackend:
 
     def closing_bytes(self, matcher: Any) -> bytes | None:
         """The closing path from the matcher's state (bytes; see the module docstring), or None when the
-        walk finds none within ``MAX_CLOSING_BYTES``, or free text that the walk would only extend (the same
-        chosen byte ``MAX_REPEATED_CLOSER`` times running). The matcher is left where it was."""
+        walks find none within ``MAX_CLOSING_BYTES`` (trying ``_CLOSERS`` first, then ``_PUNCTUATION_FIRST``;
+        a walk that chose the same byte ``MAX_REPEATED_CLOSER`` times running is in free text it would only
+        extend, and gives up). The matcher is left where it was."""
+        path = self._walk(matcher, _CLOSERS)
+        return path if path is not None else self._walk(matcher, _PUNCTUATION_FIRST)
+
+    def _walk(self, matcher: Any, order: tuple[int, ...]) -> bytes | None:
         byte_tokens = self._single_byte_tokens()
         path = bytearray()
         consumed = 0
@@ -300,7 +320,7 @@ class GrammarBackend:
                         path.append(byte)
                         consumed += 1
                     continue
-                for byte in _CLOSERS:
+                for byte in order:
                     token = byte_tokens.get(byte)
                     if token is not None and matcher.try_consume_tokens([token]) == 1:
                         consumed += 1

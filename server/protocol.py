@@ -9,6 +9,7 @@ the conversion to engine parameters live on the request types (``to_sampling_par
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Literal
@@ -128,6 +129,17 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
     return value
 
 
+def check_tool_choice_type(value: Any) -> Any:
+    """A clear refusal for the ``tool_choice`` objects this server does not implement: ``allowed_tools`` and
+    choices of hosted tools (anything but ``function`` and ``custom``); other values pass on to validation."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "allowed_tools":
+        raise ValueError("allowed_tools is not supported; send only the allowed tools in tools instead")
+    if isinstance(kind, str) and kind not in ("function", "custom"):
+        raise ValueError(f"a tool choice of type {kind!r} is not supported (only function and custom tools are served)")
+    return value
+
+
 class StreamOptions(StrictModel):
     """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
 
@@ -181,16 +193,30 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
     def to_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it (string content)."""
+        """The message as chat templates expect it (string content; custom tool calls as calls of a function whose
+        one argument is ``input``, the way custom tools are presented to the model)."""
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.text}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_function_form(call) for call in self.tool_calls]
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         return message
+
+
+def _function_form(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call of ``type: "custom"`` (``{"custom": {"name", "input"}}``) as a function call with the
+    arguments ``{"input": …}``; other calls unchanged."""
+    custom = call.get("custom")
+    if call.get("type") != "custom" or not isinstance(custom, dict):
+        return call
+    arguments = json.dumps({"input": custom.get("input", "")}, ensure_ascii=False)
+    function = {"name": custom.get("name", ""), "arguments": arguments}
+    return {**{k: v for k, v in call.items() if k != "custom"}, "type": "function", "function": function}
 
 
 class FunctionDefinition(StrictModel):
@@ -209,11 +235,58 @@ class FunctionDefinition(StrictModel):
         return value
 
 
-class ChatTool(StrictModel):
-    """One entry of ``tools`` (function tools only)."""
+class TextInputFormat(StrictModel):
+    """``format: {"type": "text"}``: the custom tool takes free text."""
 
-    type: Literal["function"]
-    function: FunctionDefinition
+    type: Literal["text"]
+
+
+class GrammarDefinition(StrictModel):
+    """A grammar the custom tool's input must follow: ``lark`` (llguidance's Lark dialect) or ``regex`` (Rust
+    ``regex`` syntax, matched against the whole input)."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1)
+
+
+class ChatGrammarFormat(StrictModel):
+    """``format: {"type": "grammar", "grammar": {"syntax", "definition"}}`` (chat's nested shape)."""
+
+    type: Literal["grammar"]
+    grammar: GrammarDefinition
+
+
+class CustomToolDefinition(StrictModel):
+    """``tools[i].custom``: a tool that takes text (free, or following a grammar) instead of JSON arguments."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    format: TextInputFormat | ChatGrammarFormat | None = None
+
+    @property
+    def grammar(self) -> GrammarDefinition | None:
+        """The grammar of the input, or None for free text."""
+        return self.format.grammar if isinstance(self.format, ChatGrammarFormat) else None
+
+
+class ChatTool(StrictModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {…}}`` or ``{"type": "custom", "custom": {…}}``."""
+
+    type: Literal["function", "custom"]
+    function: FunctionDefinition | None = None
+    custom: CustomToolDefinition | None = None
+
+    @model_validator(mode="after")
+    def _body_of_its_type(self) -> ChatTool:
+        given = "function" if self.function is not None else "custom" if self.custom is not None else None
+        if given != self.type or (self.function is not None and self.custom is not None):
+            raise ValueError(f"a tool of type {self.type!r} carries its definition in {self.type!r}, and only there")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The tool's name (function or custom)."""
+        return self.function.name if self.function is not None else self.custom.name  # type: ignore[union-attr]
 
 
 class FunctionName(StrictModel):
@@ -223,10 +296,25 @@ class FunctionName(StrictModel):
 
 
 class NamedToolChoice(StrictModel):
-    """``tool_choice: {"type": "function", "function": {"name": …}}``: this tool must be called."""
+    """``tool_choice: {"type": "function", "function": {"name": …}}`` or ``{"type": "custom", "custom": {"name":
+    …}}``: this tool must be called."""
 
-    type: Literal["function"]
-    function: FunctionName
+    type: Literal["function", "custom"]
+    function: FunctionName | None = None
+    custom: FunctionName | None = None
+
+    @model_validator(mode="after")
+    def _name_of_its_type(self) -> NamedToolChoice:
+        if (self.function if self.type == "function" else self.custom) is None or (
+            self.function is not None and self.custom is not None
+        ):
+            raise ValueError(f"a tool choice of type {self.type!r} names the tool in {self.type!r}, and only there")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The name of the tool that must be called."""
+        return (self.function or self.custom).name  # type: ignore[union-attr]
 
 
 class JsonSchemaFormat(StrictModel):
@@ -389,6 +477,11 @@ class ChatCompletionRequest(SamplingRequest):
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(value)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        return check_tool_choice_type(value)
+
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """``tool_choice`` with OpenAI's default: ``auto`` when tools are given, else ``none``."""
@@ -414,14 +507,18 @@ class ChatCompletionRequest(SamplingRequest):
         for i, message in enumerate(self.messages):
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
                 raise RequestParamError("content is required", f"messages[{i}].content")
-        names = [tool.function.name for tool in self.tools or ()]
+        names = [tool.name for tool in self.tools or ()]
         if len(set(names)) != len(names):
             raise RequestParamError("tool names must be unique", "tools")
         choice = self.tool_choice
         if choice not in (None, "none") and not self.tools:
             raise RequestParamError("tool_choice needs tools", "tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise RequestParamError(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            kinds = {tool.name: tool.type for tool in self.tools or ()}
+            if kinds.get(choice.name) != choice.type:
+                raise RequestParamError(
+                    f"tool_choice names {choice.type} tool {choice.name!r}, which is not in tools", "tool_choice"
+                )
 
 
 class CompletionRequest(SamplingRequest):
@@ -560,11 +657,26 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """One entry of ``message.tool_calls``."""
+    """One entry of ``message.tool_calls``: a function call."""
 
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class CustomCall(BaseModel):
+    """The custom tool of a tool call and the text it gets."""
+
+    name: str
+    input: str
+
+
+class CustomToolCall(BaseModel):
+    """One entry of ``message.tool_calls``: a call of a custom tool."""
+
+    id: str
+    type: Literal["custom"] = "custom"
+    custom: CustomCall
 
 
 class AssistantMessage(BaseModel):
@@ -575,7 +687,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall | CustomToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
@@ -619,13 +731,26 @@ class DeltaFunctionCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+class DeltaCustomCall(BaseModel):
+    """A fragment of a streamed custom tool call: the name comes once, the input in pieces."""
+
+    name: str | None = None
+    input: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaToolCall(BaseModel):
-    """A streamed tool-call delta, matched to its call by ``index`` (``id`` and ``type`` on the first one)."""
+    """A streamed tool-call delta, matched to its call by ``index`` (``id`` and ``type`` on the first one);
+    ``function`` for a function call, ``custom`` for a custom tool call."""
 
     index: int
     id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
+    type: Literal["function", "custom"] | None = None
+    function: DeltaFunctionCall | None = None
+    custom: DeltaCustomCall | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

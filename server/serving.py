@@ -41,6 +41,9 @@ from server.protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    CustomCall,
+    CustomToolCall,
+    DeltaCustomCall,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -264,7 +267,7 @@ class OpenAIServing:
         for i, state in enumerate(states):
             reply = parse_reply(plan, state)
             calls = reply.calls
-            tool_calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(**vars(c))) for c in calls]
+            tool_calls = [_tool_call(c) for c in calls]
             message = AssistantMessage(
                 content=reply.content, reasoning_content=reply.reasoning, tool_calls=tool_calls or None
             )
@@ -334,14 +337,11 @@ class OpenAIServing:
         replies = [ReplyStream(plan) for _ in range(request.n)]
 
         def call_deltas(i: int, first_index: int, calls: list[ParsedToolCall]) -> Iterator[str]:
-            """OpenAI's tool-call deltas: id, type and name with empty arguments, then the arguments."""
+            """OpenAI's tool-call deltas: id, type and name with empty arguments (input), then the arguments
+            (input)."""
             for index, call in enumerate(calls, first_index):
-                head = DeltaToolCall(
-                    index=index, id=new_tool_call_id(), type="function", function=DeltaFunctionCall(name=call.name)
-                )
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[head])))
-                arguments = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[arguments])))
+                for delta in _call_deltas(index, call):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(tool_calls=[delta])))
 
         for i in range(request.n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -416,6 +416,28 @@ class OpenAIServing:
         """
         self.model.check(request.model)
         _convert_param_errors(request.check)
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCall | CustomToolCall:
+    """One entry of ``message.tool_calls``: a custom tool call when the call has an ``input``."""
+    if call.input is not None:
+        return CustomToolCall(id=new_tool_call_id(), custom=CustomCall(name=call.name, input=call.input))
+    return ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _call_deltas(index: int, call: ParsedToolCall) -> tuple[DeltaToolCall, DeltaToolCall]:
+    """A call as two stream deltas: its head (id, type, name) and its arguments, or its input for a custom call
+    (``{"type": "custom", "custom": {"name", "input"}}``)."""
+    call_id = new_tool_call_id()
+    if call.input is not None:
+        return (
+            DeltaToolCall(index=index, id=call_id, type="custom", custom=DeltaCustomCall(name=call.name)),
+            DeltaToolCall(index=index, custom=DeltaCustomCall(input=call.input)),
+        )
+    return (
+        DeltaToolCall(index=index, id=call_id, type="function", function=DeltaFunctionCall(name=call.name)),
+        DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)),
+    )
 
 
 def _convert_param_errors(work: Callable[[], T]) -> T:

@@ -11,6 +11,14 @@
   it, otherwise the parser's system prompt (``ToolParser.system_prompt``);
 - how the output is read back: ``ToolParser.parse`` (unless ``tool_choice`` is ``none``).
 
+Custom tools (``{"type": "custom"}``: free text, or text in a Lark or regex grammar) reach the template and the
+parsers as functions of one string parameter ``input`` (``custom_function``), always constrained once a call starts
+(as ``strict`` function tools are): a free-text tool's input is any JSON string, a regex tool's a JSON string whose
+value matches the whole regex (a JSON-schema ``pattern``, which llguidance enforces through the string's escaping),
+and a Lark tool's input is written raw after ``{"name": …}`` in a Hermes block and enforced by the grammar itself as
+an llguidance subgrammar (a context-free language cannot be enforced inside a JSON string; the other formats refuse
+Lark tools). Calls of custom tools are read back with their ``input`` (``ParsedToolCall.input``).
+
 A turn always ends: with ``parallel_tool_calls`` false (the server's default unless
 ``--default-parallel-tool-calls``) the grammar ends after one call, also in ``auto`` mode; a turn of
 parallel calls ends before a call that repeats an earlier one (``SamplingParams.repeat_marker`` in
@@ -24,6 +32,7 @@ engine cannot compile is a 400 that names the field.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -38,7 +47,7 @@ from dflash2.grammar import (
     lark_grammar,
 )
 from server.errors import InvalidRequestError
-from server.protocol import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice, ResponseFormat
 from server.reasoning import Reasoning, StartState
 from server.tool_parsers import FunctionTool, ParsedToolCall, ToolCallStreamer, ToolParser
 
@@ -58,6 +67,39 @@ def answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
     return response_format.json_schema.schema_ or {"type": "object"}
 
 
+def custom_function(tool: ChatTool) -> FunctionTool:
+    """A chat ``tools`` entry as the parsers see it: a function tool as it is, a custom tool as a function of one
+    string parameter ``input`` (described with the tool's grammar), ``strict`` so a started call is constrained."""
+    if tool.function is not None:
+        function = tool.function
+        return FunctionTool(
+            name=function.name,
+            description=function.description,
+            parameters=function.parameters or {"type": "object"},
+            strict=bool(function.strict),
+        )
+    custom = tool.custom
+    assert custom is not None  # ChatTool checks that its body matches its type
+    grammar = custom.grammar
+    text: dict[str, Any] = {"type": "string", "description": "The text this tool takes (free-form)."}
+    if grammar is not None and grammar.syntax == "regex":
+        text = {
+            "type": "string",
+            "description": f"Text matching this regular expression as a whole: {grammar.definition}",
+            "pattern": f"^(?:{grammar.definition})$",
+        }
+    elif grammar is not None:
+        text = {"type": "string", "description": f"Text in the language of this Lark grammar:\n{grammar.definition}"}
+    return FunctionTool(
+        name=custom.name,
+        description=custom.description,
+        parameters={"type": "object", "properties": {"input": text}, "required": ["input"]},
+        strict=True,
+        custom=True,
+        lark=grammar.definition if grammar is not None and grammar.syntax == "lark" else None,
+    )
+
+
 def _inline(schema: dict[str, Any]) -> str:
     """A schema as a Lark ``%json`` expression, written in json.dumps style (``JSON_FORMAT``)."""
     return "%json " + json.dumps({**close_objects(schema), "x-guidance": JSON_FORMAT})
@@ -72,6 +114,7 @@ class ToolPlan:
         parser: reads calls back from the output; None when ``tool_choice`` is ``none`` or no tools.
         grammar: the llguidance grammar for the engine, or None (unconstrained).
         checks: ``(field, schema)`` pairs to compile before submission, so errors name the field.
+        grammar_checks: ``(field, grammar)`` pairs likewise (the Lark grammars of custom tools).
         calls_only: ``required`` or a named tool: the grammar allows nothing but calls, so a reply cut
             by ``max_tokens`` in the middle of a call has no content, only its complete calls.
         parallel: several calls may follow each other (``parallel_tool_calls``, or the server's default).
@@ -87,6 +130,7 @@ class ToolPlan:
     parser: ToolParser | None = None
     grammar: str | None = None
     checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    grammar_checks: list[tuple[str, str]] = field(default_factory=list)
     calls_only: bool = False
     parallel: bool = False
     repeat_marker: str | None = None
@@ -103,15 +147,7 @@ class ToolPlan:
         Raises:
             InvalidRequestError: a schema that is not a JSON object (names the field).
         """
-        tools = [
-            FunctionTool(
-                name=t.function.name,
-                description=t.function.description,
-                parameters=t.function.parameters or {"type": "object"},
-                strict=bool(t.function.strict),
-            )
-            for t in request.tools or ()
-        ]
+        tools = [custom_function(t) for t in request.tools or ()]
         plan = cls(tools=tools)
         answer = answer_schema(request.response_format)
         if answer is not None:
@@ -127,7 +163,7 @@ class ToolPlan:
         plan.repeat_marker = parser.CALL_END if plan.parallel else None
         try:
             if isinstance(choice, NamedToolChoice):
-                forced = [t for t in tools if t.name == choice.function.name]
+                forced = [t for t in tools if t.name == choice.name]
                 lark = parser.grammar(forced, required=True, parallel=False)
             elif choice == "required":
                 forced = tools
@@ -140,8 +176,17 @@ class ToolPlan:
                 )
         except ValueError as exc:  # e.g. a name the pythonic format cannot write
             raise InvalidRequestError(f"tools: {exc}", "tools") from exc
-        plan.grammar = lark_grammar(lark) if lark is not None else None
-        plan.checks += [(f"tools[{tools.index(t)}].function.parameters", t.parameters) for t in forced]
+        in_grammar = forced if isinstance(choice, NamedToolChoice) else tools
+        subgrammars = {t.subgrammar: t.lark for t in in_grammar if t.lark is not None}
+        plan.grammar = lark_grammar(lark, subgrammars) if lark is not None else None
+        for t in forced:
+            i = tools.index(t)
+            if t.lark is not None:
+                plan.grammar_checks.append((f"tools[{i}].custom.format", lark_grammar(t.lark)))
+            else:
+                plan.checks.append(
+                    (f"tools[{i}].custom.format" if t.custom else f"tools[{i}].function.parameters", t.parameters)
+                )
         return plan
 
     def without_grammar_engine(self) -> None:
@@ -165,7 +210,13 @@ class ToolPlan:
             try:
                 backend.check(_json_grammar(schema, param))
             except GrammarError as exc:
-                raise InvalidRequestError(f"{param}: this JSON schema cannot be enforced: {exc}", param) from exc
+                what = "grammar" if param.endswith(".custom.format") else "JSON schema"
+                raise InvalidRequestError(f"{param}: this {what} cannot be enforced: {exc}", param) from exc
+        for param, grammar in self.grammar_checks:
+            try:
+                backend.check(grammar)
+            except GrammarError as exc:
+                raise InvalidRequestError(f"{param}: this grammar cannot be enforced: {exc}", param) from exc
         try:
             backend.check(self.grammar)
         except GrammarError as exc:
@@ -209,14 +260,20 @@ class ToolPlan:
         if self.parser is None:
             return text, []
         content, calls = self.parser.parse(text, cut)
-        calls = _distinct(calls, [])
+        calls = _distinct(self.with_inputs(calls), [])
         return (None if self.calls_only else content), (calls if self.parallel else calls[:1])
 
     def streamer(self) -> ToolCallStreamer | None:
         """An incremental parser for one streamed choice (None when tools are not parsed)."""
         if self.parser is None:
             return None
-        return _Distinct(self.parser.streamer(), drop_content=self.calls_only, max_calls=None if self.parallel else 1)
+        return _Distinct(self, drop_content=self.calls_only, max_calls=None if self.parallel else 1)
+
+    def with_inputs(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
+        """The calls, those of custom tools with their ``input``: the ``input`` argument when the arguments are
+        ``{"input": <string>}`` (always so when the call was constrained), else the arguments' JSON text."""
+        custom = {t.name for t in self.tools if t.custom}
+        return [dataclasses.replace(c, input=_input_of(c.arguments)) if c.name in custom else c for c in calls]
 
 
 class _Distinct(ToolCallStreamer):
@@ -224,9 +281,11 @@ class _Distinct(ToolCallStreamer):
     ``drop_content`` (a calls-only grammar, where text outside complete calls can only be a call cut
     short by ``max_tokens``), no content."""
 
-    def __init__(self, inner: ToolCallStreamer, drop_content: bool, max_calls: int | None = None) -> None:
+    def __init__(self, plan: ToolPlan, drop_content: bool, max_calls: int | None = None) -> None:
         super().__init__()
-        self.inner = inner
+        assert plan.parser is not None
+        self.plan = plan
+        self.inner = plan.parser.streamer()
         self.drop_content = drop_content
         self.max_calls = max_calls
         self.seen: list[ParsedToolCall] = []
@@ -241,7 +300,17 @@ class _Distinct(ToolCallStreamer):
 
     def _new(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
         room = None if self.max_calls is None else max(0, self.max_calls - len(self.seen))
-        return _distinct(calls, self.seen)[:room]
+        return _distinct(self.plan.with_inputs(calls), self.seen)[:room]
+
+
+def _input_of(arguments: str) -> str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and set(value) == {"input"} and isinstance(value["input"], str):
+        return value["input"]
+    return arguments
 
 
 def _distinct(calls: list[ParsedToolCall], seen: list[ParsedToolCall]) -> list[ParsedToolCall]:

@@ -35,20 +35,35 @@ class FunctionTool:
 
     ``parameters`` is the JSON Schema of the arguments object (``{}`` accepts any object); ``strict`` asks for the
     arguments to be constrained to that schema even when the model may also answer in text.
+
+    A ``custom`` tool (OpenAI's free-text or grammar tools) is presented as a function of one string parameter
+    ``input``; ``lark`` is its Lark grammar, whose text a forced call writes raw (``HermesToolParser``) because a
+    context-free language cannot be enforced inside a JSON string.
     """
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     strict: bool = False
+    custom: bool = False
+    lark: str | None = None
+
+    @property
+    def subgrammar(self) -> str:
+        """The name of the llguidance subgrammar that holds ``lark`` (``@<name>`` in the call's rule)."""
+        return f"input_{self.name}"
 
 
 @dataclass(frozen=True)
 class ParsedToolCall:
-    """One tool call: the function name and its arguments as JSON text (``json.dumps(..., ensure_ascii=False)``)."""
+    """One tool call: the function name and its arguments as JSON text (``json.dumps(..., ensure_ascii=False)``).
+
+    ``input`` is set on a call of a custom tool (``ToolPlan.parse``): the text the tool receives.
+    """
 
     name: str
     arguments: str
+    input: str | None = None
 
 
 def _reject_constant(name: str) -> Any:
@@ -341,12 +356,33 @@ class HermesToolParser(ToolParser):
 
     @classmethod
     def parse_block(cls, block: str) -> ParsedToolCall | None:
-        """The call in one ``<tool_call>...</tool_call>`` block (closing tag optional), or None if invalid."""
+        """The call in one ``<tool_call>...</tool_call>`` block (closing tag optional), or None if invalid.
+
+        Besides ``{"name": ..., "arguments": {...}}``, a block may hold a raw-input call, the form grammar-forced
+        calls of a Lark custom tool take: ``\\n{"name": ...}\\n<input>\\n`` in a closed block (the input
+        exactly as written; its arguments become ``{"input": <input>}``).
+        """
         body = block[len(cls.OPEN) :].removesuffix(cls.CLOSE)
         try:
-            return _json_call(_DECODER.decode(body.strip()), ("arguments", "parameters"))
+            call = _json_call(_DECODER.decode(body.strip()), ("arguments", "parameters"))
+        except (ValueError, RecursionError):
+            call = None
+        if call is None and block.endswith(cls.CLOSE):
+            return cls._raw_input_call(body)
+        return call
+
+    @staticmethod
+    def _raw_input_call(body: str) -> ParsedToolCall | None:
+        if not body.startswith("\n{"):
+            return None
+        try:
+            head, end = _DECODER.raw_decode(body, 1)
         except (ValueError, RecursionError):
             return None
+        rest = body[end:]  # "\n" <input> "\n"
+        if not isinstance(head, dict) or set(head) != {"name"} or len(rest) < 2 or rest[0] + rest[-1] != "\n\n":
+            return None
+        return _make_call(head["name"], {"input": rest[1:-1]})
 
     def format_calls(self, calls: Sequence[ParsedToolCall]) -> str:
         """One ``<tool_call>`` block per call, joined by newlines."""
@@ -394,6 +430,9 @@ class HermesToolParser(ToolParser):
         ]
 
     def _tool_rules(self, index: int, tool: FunctionTool, constrain: bool) -> list[str]:
+        if tool.lark is not None and constrain:  # the input raw, then the block's "\n</tool_call>"
+            head = json.dumps(json.dumps({"name": tool.name}) + "\n")
+            return [f"tool_{index}: {head} @{tool.subgrammar}"]
         return [f"tool_{index}: {_call_schema(tool, 'arguments', constrain)}"]
 
 
@@ -462,6 +501,7 @@ class Llama3JsonToolParser(_WholeOutputParser):
         return text.strip() or None, []
 
     def _tool_rules(self, index: int, tool: FunctionTool, constrain: bool) -> list[str]:
+        _check_no_lark(self.name, tool, constrain)
         return [f"tool_{index}: {_call_schema(tool, 'parameters', constrain)}"]
 
 
@@ -555,6 +595,7 @@ class PythonicToolParser(_WholeOutputParser):
         """``name(`` keyword arguments ``)``: with ``constrain``, the schema's properties in order (required ones
         mandatory), each value ``%json`` of its schema; else any identifiers with any JSON values."""
         t = f"tool_{index}"
+        _check_no_lark(self.name, tool, constrain)
         _check_identifier(tool.name, f"tool name {tool.name!r}")
         opening = json.dumps(f"{tool.name}(")
         if not constrain:
@@ -583,6 +624,16 @@ class PythonicToolParser(_WholeOutputParser):
             lines.append(f"{t}_f{k}: {first} | {t}_f{k + 1}")
         optional = "" if required & {p for p, _ in props} else "?"
         return [f'{t}: {opening} {t}_f0{optional} ")"', *lines]
+
+
+def _check_no_lark(parser: str, tool: FunctionTool, constrain: bool) -> None:
+    """Formats that write the input inside JSON or Python literals cannot enforce a context-free grammar there."""
+    if tool.lark is not None and constrain:
+        raise ValueError(
+            f"the {parser} tool format cannot enforce the Lark grammar of custom tool {tool.name!r} "
+            "(a grammar is enforced on raw input, which only the hermes format writes; use --tool-call-parser hermes "
+            "or a regex grammar)"
+        )
 
 
 def _check_identifier(name: str, what: str) -> None:

@@ -18,25 +18,28 @@ if TYPE_CHECKING:
     from server.responses.protocol import ResponsesRequest, TextFormat
 
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
+_TOOL_PARAM = re.compile(r"^tools\[(\d+)\]")
 _PARAM_RENAMES = (
     (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
     (re.compile(r"^response_format\.json_schema(?=\.|$)"), "text.format"),
     (re.compile(r"^response_format(?=\.|$)"), "text.format"),
-    (re.compile(r"^(tools\[\d+\])\.function(?=\.|$)"), r"\1"),
+    (re.compile(r"^(tools\[\d+\])\.(function|custom)(?=\.|$)"), r"\1"),
     (re.compile(r"^messages$"), "input"),
 )
 
 
 @dataclass(frozen=True)
 class ChatConversion:
-    """A Responses request as a chat request; ``sources[k]`` is the Responses field that gave ``messages[k]``."""
+    """A Responses request as a chat request; ``sources[k]`` is the Responses field that gave ``messages[k]``, and
+    ``tool_indices[k]`` the index in the Responses ``tools`` of chat's ``tools[k]`` (hosted tools are left out)."""
 
     request: ChatCompletionRequest
     sources: list[str]
+    tool_indices: list[int] | None = None
 
     def param(self, chat_param: str | None) -> str | None:
         """The Responses field for a field of ``request`` (see ``responses_param``)."""
-        return responses_param(chat_param, self.sources)
+        return responses_param(chat_param, self.sources, self.tool_indices)
 
     def rename(self, exc: APIError) -> None:
         """Make an error of the chat path name the Responses field: its ``param``, and its message when the
@@ -50,9 +53,10 @@ class ChatConversion:
 def chat_conversion(request: ResponsesRequest) -> ChatConversion:
     """The equivalent chat completions request, and where each of its messages came from.
 
-    ``instructions`` become a system message first; consecutive ``function_call`` items join one assistant
-    message (the one right before them, if it is an assistant message); ``function_call_output`` items become
-    ``tool`` messages; reasoning items are dropped.
+    ``instructions`` become a system message first; consecutive ``function_call`` and ``custom_tool_call`` items
+    join one assistant message (the one right before them, if it is an assistant message); their outputs become
+    ``tool`` messages; reasoning items are dropped. Hosted tools are left out (``ResponsesRequest.check`` logged
+    them, and errors name the Responses tool's own index).
 
     Args:
         request: a validated Responses request.
@@ -65,6 +69,7 @@ def chat_conversion(request: ResponsesRequest) -> ChatConversion:
             field where it can).
     """
     messages, sources = chat_messages(request)
+    tool_indices = [i for i, tool in enumerate(request.tools or ()) if tool.type in ("function", "custom")]
     if not messages:
         raise InvalidRequestError("input must contain at least one message (or give instructions)", "input")
     choice = request.tool_choice
@@ -76,13 +81,9 @@ def chat_conversion(request: ResponsesRequest) -> ChatConversion:
         "top_p": request.top_p,
         "stream": request.stream,
         "user": request.user,
-        "tools": [
-            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-            for tool in request.tools or ()
-        ]
-        or None,
+        "tools": [_chat_tool(request.tools[i]) for i in tool_indices] or None if request.tools else None,
         "tool_choice": (
-            {"type": "function", "function": {"name": choice.name}}
+            {"type": choice.type, choice.type: {"name": choice.name}}
             if choice is not None and not isinstance(choice, str)
             else choice
         ),
@@ -93,8 +94,8 @@ def chat_conversion(request: ResponsesRequest) -> ChatConversion:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:  # a safety net: the fields above are validated already
         message, param = describe_validation_error(exc.errors())
-        raise InvalidRequestError(message, responses_param(param, sources)) from exc
-    return ChatConversion(chat, sources)
+        raise InvalidRequestError(message, responses_param(param, sources, tool_indices)) from exc
+    return ChatConversion(chat, sources, tool_indices)
 
 
 def chat_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
@@ -116,17 +117,17 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list
             continue
         if item.type == "message":
             messages.append({"role": item.role, "content": item.text})
-        elif item.type == "function_call":
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+        elif item.type in ("function_call", "custom_tool_call"):
+            call = (
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                if item.type == "function_call"
+                else {"id": item.call_id, "type": "custom", "custom": {"name": item.name, "input": item.input}}
+            )
             if messages and messages[-1]["role"] == "assistant" and thinking is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:  # function_call_output
+        elif item.type in ("function_call_output", "custom_tool_call_output"):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
         if thinking is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], thinking = thinking, None
@@ -134,12 +135,18 @@ def chat_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list
     return messages, sources
 
 
-def responses_param(chat_param: str | None, sources: Sequence[str]) -> str | None:
+def responses_param(
+    chat_param: str | None, sources: Sequence[str], tool_indices: Sequence[int] | None = None
+) -> str | None:
     """The Responses field for a chat field: ``messages[k]…`` → ``sources[k]`` (``input[2]``, ``instructions``),
     ``response_format.json_schema.schema`` → ``text.format.schema``, ``tools[0].function.parameters`` →
-    ``tools[0].parameters``, ``max_tokens`` → ``max_output_tokens``; other names are the same in both."""
+    ``tools[0].parameters`` (``tools[k]`` → ``tools[tool_indices[k]]`` when given), ``max_tokens`` →
+    ``max_output_tokens``; other names are the same in both."""
     if chat_param is None:
         return None
+    tool = _TOOL_PARAM.match(chat_param)
+    if tool and tool_indices is not None and int(tool.group(1)) < len(tool_indices):
+        chat_param = f"tools[{tool_indices[int(tool.group(1))]}]{chat_param[tool.end() :]}"
     message = _MESSAGE_PARAM.match(chat_param)
     if message:
         index = int(message.group(1))
@@ -147,6 +154,14 @@ def responses_param(chat_param: str | None, sources: Sequence[str]) -> str | Non
     for pattern, replacement in _PARAM_RENAMES:
         chat_param = pattern.sub(replacement, chat_param)
     return chat_param
+
+
+def _chat_tool(tool: Any) -> dict[str, Any]:
+    """A Responses function or custom tool as a chat ``tools`` entry."""
+    if tool.type == "function":
+        return {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+    custom = {"name": tool.name, "description": tool.description, "format": tool.chat_format()}
+    return {"type": "custom", "custom": {k: v for k, v in custom.items() if v is not None}}
 
 
 def _response_format(text_format: TextFormat | None) -> dict[str, Any] | None:

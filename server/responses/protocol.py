@@ -4,6 +4,10 @@ Requests are strict, as chat's (``server/protocol.py``): input items, content pa
 one so that errors name ``input[i]…`` / ``tools[i]…`` exactly, and an unsupported item, part or tool type is a 400
 naming its ``type``. ``store`` and ``previous_response_id`` are served by the response store (``store.py``,
 ``serving.py``); ``conversation`` and ``background: true`` are 400s that say so (``ResponsesRequest.check``).
+
+Tools are function and custom tools; the hosted tool types OpenAI runs on its side (``HOSTED_TOOL_TYPES``: web
+search, file search, code interpreter, MCP, …) are accepted and left out of the prompt (logged, and named in the
+``x-dflash2-ignored-tools`` response header).
 """
 
 from __future__ import annotations
@@ -13,11 +17,28 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from server.errors import InvalidRequestError
-from server.protocol import MAX_TOOLS, NAME_PATTERN, FunctionDefinition, StrictModel, UsageInfo
+from server.protocol import (
+    MAX_TOOLS,
+    NAME_PATTERN,
+    FunctionDefinition,
+    StrictModel,
+    TextInputFormat,
+    UsageInfo,
+    check_tool_choice_type,
+)
 from server.responses.convert import ChatConversion, chat_conversion
 from server.tool_calling import new_tool_call_id
 from server.tool_parsers import ParsedToolCall
@@ -49,6 +70,29 @@ INAPPLICABLE_INCLUDES = frozenset(
 _NO_CONVERSATIONS = (
     "this server keeps no conversation objects; continue with previous_response_id, or send the whole "
     "conversation as input"
+)
+# Tool types OpenAI runs on its side (or whose calls are items this server never writes): a request carrying them is
+# served with its function and custom tools only. Agent clients (Codex) send them by default.
+HOSTED_TOOL_TYPES = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer",
+        "computer_use_preview",
+        "computer_use",
+        "mcp",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "namespace",
+        "tool_search",
+        "programmatic_tool_calling",
+    }
 )
 _TEXT_PART_TYPES = ("input_text", "output_text")
 
@@ -109,6 +153,31 @@ class InputFunctionCallOutput(StrictModel):
         return _joined(self.output)
 
 
+class InputCustomToolCall(StrictModel):
+    """An earlier call of a custom tool, sent back: ``input`` is the text the tool got."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class InputCustomToolCallOutput(StrictModel):
+    """The result of the custom tool call ``call_id`` (text, or a list of text parts)."""
+
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+    id: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The output as one string (text parts joined)."""
+        return _joined(self.output)
+
+
 class InputReasoning(BaseModel):
     """A reasoning item from an earlier reply: its text reaches the template as the next assistant turn's
     ``reasoning_content`` (templates that render earlier thinking use it); other fields (``encrypted_content``,
@@ -141,6 +210,8 @@ InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[InputFunctionCall, Tag("function_call")]
     | Annotated[InputFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[InputCustomToolCall, Tag("custom_tool_call")]
+    | Annotated[InputCustomToolCallOutput, Tag("custom_tool_call_output")]
     | Annotated[InputReasoning, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
@@ -148,21 +219,56 @@ _ITEM_TYPES: dict[str, type[BaseModel]] = {
     "message": InputMessage,
     "function_call": InputFunctionCall,
     "function_call_output": InputFunctionCallOutput,
+    "custom_tool_call": InputCustomToolCall,
+    "custom_tool_call_output": InputCustomToolCallOutput,
     "reasoning": InputReasoning,
 }
 
 
 class FunctionToolParam(FunctionDefinition):
-    """A function tool, flat (``{"type": "function", "name", "parameters", …}``); the only tool type served.
+    """A function tool, flat (``{"type": "function", "name", "parameters", …}``).
     The fields and checks are chat's ``tools[i].function`` (``FunctionDefinition``)."""
 
     type: Literal["function"]
 
 
-class FunctionToolChoice(StrictModel):
-    """``tool_choice: {"type": "function", "name": …}``: this tool must be called."""
+class GrammarFormat(StrictModel):
+    """``format: {"type": "grammar", "syntax": "lark" | "regex", "definition"}`` (the Responses' flat shape)."""
 
-    type: Literal["function"]
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1)
+
+
+class CustomToolParam(StrictModel):
+    """A custom tool (``{"type": "custom", "name", "description", "format"}``): it takes free text
+    (``format: {"type": "text"}``, the default) or text in a grammar."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    format: TextInputFormat | GrammarFormat | None = None
+
+    def chat_format(self) -> dict[str, Any] | None:
+        """``format`` in chat's shape (the grammar nested under ``grammar``)."""
+        if isinstance(self.format, GrammarFormat):
+            grammar = {"syntax": self.format.syntax, "definition": self.format.definition}
+            return {"type": "grammar", "grammar": grammar}
+        return None if self.format is None else {"type": "text"}
+
+
+class HostedToolParam(BaseModel):
+    """A hosted tool (``HOSTED_TOOL_TYPES``): accepted, echoed in the response, and not offered to the model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class FunctionToolChoice(StrictModel):
+    """``tool_choice: {"type": "function" | "custom", "name": …}``: this tool must be called."""
+
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -200,7 +306,7 @@ class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionToolParam] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[FunctionToolParam | CustomToolParam | HostedToolParam] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -224,6 +330,11 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        return check_tool_choice_type(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -259,6 +370,14 @@ class ResponsesRequest(StrictModel):
             ignored.append("text.verbosity")
         if ignored:
             logger.debug("ignoring %s (no effect on this server's output)", ", ".join(ignored))
+        if self.ignored_tool_types:
+            logger.info("ignoring hosted tools this server cannot run: %s", ", ".join(self.ignored_tool_types))
+
+    @property
+    def ignored_tool_types(self) -> list[str]:
+        """The types of the hosted tools in ``tools`` (each once, in order): left out of the prompt."""
+        kinds = [tool.type for tool in self.tools or () if isinstance(tool, HostedToolParam)]
+        return list(dict.fromkeys(kinds))
 
     def to_chat(self) -> ChatConversion:
         """The equivalent chat completions request, and where each of its messages came from
@@ -342,15 +461,22 @@ def _input_item(item: Any, loc: tuple[str | int, ...]) -> Any:
 
 
 def _tool(tool: Any, loc: tuple[str | int, ...]) -> Any:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if isinstance(tool, dict) and kind != "function":
-        raise _fail(
-            (*loc, "type"),
-            "unsupported_tool",
-            f"tools of type {kind!r} are not supported by this server (only function tools)",
-            kind,
-        )
-    return _validated(FunctionToolParam, tool, loc) if isinstance(tool, dict) else tool
+    if not isinstance(tool, dict):
+        return tool
+    kind = tool.get("type")
+    if kind == "function":
+        return _validated(FunctionToolParam, tool, loc)
+    if kind == "custom":
+        return _validated(CustomToolParam, tool, loc)
+    if isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
+        return HostedToolParam.model_validate(tool)
+    raise _fail(
+        (*loc, "type"),
+        "unsupported_tool",
+        f"tools of type {kind!r} are not supported by this server (function and custom tools are served; hosted "
+        f"tools of these types are accepted and ignored: {', '.join(sorted(HOSTED_TOOL_TYPES))})",
+        kind,
+    )
 
 
 # ---- response ----------------------------------------------------------------------------------
@@ -405,7 +531,19 @@ class OutputReasoning(BaseModel):
     status: ItemStatus = "completed"
 
 
-OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
+class OutputCustomToolCall(BaseModel):
+    """A ``custom_tool_call`` output item: the client runs the tool on ``input`` and sends back a
+    ``custom_tool_call_output``."""
+
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str = Field(default_factory=lambda: f"ctc_{uuid.uuid4().hex}")
+    call_id: str = Field(default_factory=new_tool_call_id)
+    name: str
+    input: str
+    status: ItemStatus = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall | OutputCustomToolCall
 
 
 class InputTokensDetails(BaseModel):
@@ -493,7 +631,7 @@ def output_items(
     reasoning: str | None, content: str | None, calls: Sequence[ParsedToolCall], incomplete: bool
 ) -> list[OutputItem]:
     """The output of one reply: a reasoning item when it has a thinking block, a message item when there is text,
-    then one ``function_call`` item per call."""
+    then one ``function_call`` item per call (``custom_tool_call`` for a call of a custom tool)."""
     items: list[OutputItem] = []
     status: ItemStatus = "incomplete" if incomplete else "completed"
     if reasoning is not None:
@@ -502,7 +640,11 @@ def output_items(
         )
     if content:
         items.append(OutputMessage(status=status, content=[OutputText(text=content)]))
-    items += [OutputFunctionCall(name=call.name, arguments=call.arguments) for call in calls]
+    for call in calls:
+        if call.input is not None:
+            items.append(OutputCustomToolCall(name=call.name, input=call.input))
+        else:
+            items.append(OutputFunctionCall(name=call.name, arguments=call.arguments))
     return items
 
 
@@ -602,3 +744,21 @@ class FunctionCallArgumentsDoneEvent(StreamEvent):
     item_id: str
     output_index: int
     arguments: str
+
+
+class CustomToolCallInputDeltaEvent(StreamEvent):
+    """``response.custom_tool_call_input.delta``."""
+
+    type: Literal["response.custom_tool_call_input.delta"] = "response.custom_tool_call_input.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomToolCallInputDoneEvent(StreamEvent):
+    """``response.custom_tool_call_input.done``: the whole input of a custom tool call."""
+
+    type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
+    item_id: str
+    output_index: int
+    input: str

@@ -3,7 +3,8 @@
 The request is converted to chat (``convert.py``) and served by ``OpenAIServing.start_chat``, so tools,
 ``tool_choice``, grammar-enforced structured outputs and prompt rendering are exactly those of chat completions;
 errors of the chat path are renamed to the Responses fields. The reply is written as a Response object, or as its
-stream events (``stream.py``).
+stream events (``stream.py``). Hosted tools the request carries are not offered to the model; the response names
+their types in the ``x-dflash2-ignored-tools`` header (``IGNORED_TOOLS_HEADER``).
 
 With ``previous_response_id`` the stored response's input and output items come before the request's input
 (``instructions`` are not carried over, as in OpenAI's API), so the prompt of the next turn starts with the
@@ -34,6 +35,9 @@ from server.responses.store import JSONObject, ResponseStore
 from server.responses.stream import ResponseStream
 from server.serving import OpenAIServing
 from server.tool_calling import ToolPlan
+
+# Names the hosted tool types a request carried and this server left out (comma-separated), when there were any.
+IGNORED_TOOLS_HEADER = "x-dflash2-ignored-tools"
 
 
 class ResponsesServing:
@@ -71,15 +75,18 @@ class ResponsesServing:
             generation.close()
             raise
         input_items = (*context, *own_items)
+        headers = {IGNORED_TOOLS_HEADER: ", ".join(request.ignored_tool_types)} if request.ignored_tool_types else {}
         if request.stream:
             stream = ResponseStream(response)
             events = self._events(stream, generation, plan, input_items)
-            return self.serving.event_stream(events, generation, stream.fail, None)
+            sse = self.serving.event_stream(events, generation, stream.fail, None)
+            sse.headers.update(headers)
+            return sse
         (state,) = await generation.collect()
         reply = parse_reply(plan, state)
         response.output = output_items(reply.reasoning, reply.content, reply.calls, state.is_cut)
         response.finish(usage_info(generation.num_prompt_tokens, [state]), state.is_cut)
-        return JSONResponse(self._stored(response, input_items))
+        return JSONResponse(self._stored(response, input_items), headers=headers)
 
     def _stored(self, response: ResponseObject, input_items: tuple[JSONObject, ...]) -> JSONObject:
         """The finished response as JSON, kept in the store when it says ``store: true``."""
@@ -104,9 +111,7 @@ class ResponsesServing:
             model=self.serving.model.name,
             instructions=request.instructions,
             tools=[tool.model_dump(exclude_unset=True) for tool in request.tools or ()],
-            tool_choice={"type": "function", "name": choice.function.name}
-            if isinstance(choice, NamedToolChoice)
-            else choice,
+            tool_choice={"type": choice.type, "name": choice.name} if isinstance(choice, NamedToolChoice) else choice,
             parallel_tool_calls=self.serving.default_parallel_tool_calls
             if request.parallel_tool_calls is None
             else request.parallel_tool_calls,

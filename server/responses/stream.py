@@ -7,7 +7,8 @@ Events (``event: <type>`` and ``data: <json>``, each with an increasing ``sequen
 ``response.output_item.done`` → per text item ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``…, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done`` → per tool call ``response.output_item.added``,
-``response.function_call_arguments.delta``, ``response.function_call_arguments.done``,
+``response.function_call_arguments.delta``, ``response.function_call_arguments.done`` (a custom tool call:
+``response.custom_tool_call_input.delta``, ``response.custom_tool_call_input.done``),
 ``response.output_item.done`` → ``response.completed`` or ``response.incomplete`` carrying the whole response.
 An error after the stream started is one ``response.failed`` event.
 """
@@ -23,9 +24,12 @@ from server.errors import error_body, error_kind
 from server.protocol import UsageInfo
 from server.responses.protocol import (
     ContentPartEvent,
+    CustomToolCallInputDeltaEvent,
+    CustomToolCallInputDoneEvent,
     FunctionCallArgumentsDeltaEvent,
     FunctionCallArgumentsDoneEvent,
     ItemStatus,
+    OutputCustomToolCall,
     OutputFunctionCall,
     OutputItem,
     OutputItemEvent,
@@ -103,24 +107,34 @@ class ResponseStream:
         return events
 
     def calls(self, calls: Sequence[ParsedToolCall]) -> list[ServerSentEvent]:
-        """Completed tool calls: one ``function_call`` item each (closing an open message item first)."""
+        """Completed tool calls: one ``function_call`` (or ``custom_tool_call``) item each (closing an open reasoning
+        or message item first)."""
         events = self._close_reasoning("completed") + self._close_message("completed") if calls else []
         for call in calls:
-            item, index = (
-                OutputFunctionCall(name=call.name, arguments="", status="in_progress"),
-                len(self.response.output),
-            )
-            self.response.output.append(item)
-            events.append(self._send(self._item_event("response.output_item.added", item)))
-            item.arguments = call.arguments
-            events.append(
-                self._send(FunctionCallArgumentsDeltaEvent(item_id=item.id, output_index=index, delta=call.arguments))
-            )
-            events.append(
-                self._send(
-                    FunctionCallArgumentsDoneEvent(item_id=item.id, output_index=index, arguments=call.arguments)
-                )
-            )
+            index = len(self.response.output)
+            item: OutputFunctionCall | OutputCustomToolCall
+            if call.input is not None:
+                item = OutputCustomToolCall(name=call.name, input="", status="in_progress")
+                self.response.output.append(item)
+                events.append(self._send(self._item_event("response.output_item.added", item)))
+                item.input = call.input
+                events += [
+                    self._send(CustomToolCallInputDeltaEvent(item_id=item.id, output_index=index, delta=call.input)),
+                    self._send(CustomToolCallInputDoneEvent(item_id=item.id, output_index=index, input=call.input)),
+                ]
+            else:
+                item = OutputFunctionCall(name=call.name, arguments="", status="in_progress")
+                self.response.output.append(item)
+                events.append(self._send(self._item_event("response.output_item.added", item)))
+                item.arguments = call.arguments
+                events += [
+                    self._send(
+                        FunctionCallArgumentsDeltaEvent(item_id=item.id, output_index=index, delta=call.arguments)
+                    ),
+                    self._send(
+                        FunctionCallArgumentsDoneEvent(item_id=item.id, output_index=index, arguments=call.arguments)
+                    ),
+                ]
             item.status = "completed"
             events.append(self._send(self._item_event("response.output_item.done", item)))
         return events

@@ -435,7 +435,7 @@ async def test_openai_client_incomplete_and_errors():
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"role": "user", "content": "a", "extra": 1}]}, "input[0].extra"),
         ({"input": []}, "input"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "teleport"}]}, "tools[0].type"),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

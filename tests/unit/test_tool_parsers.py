@@ -500,3 +500,28 @@ def test_one_call_auto_grammar_exists_without_strict_tools_and_ends_after_the_ca
         assert matcher(parallel, parser.format_calls([PARIS])) and not matcher.ends_after(
             parallel, parser.format_calls([PARIS])
         )
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        ('<tool_call>\n{"name": "calc"}\n1+ "2"\n\n</tool_call>', call("calc", input='1+ "2"\n')),
+        ('<tool_call>\n{"name": "calc"}\n\n</tool_call>', call("calc", input="")),
+        ('<tool_call>\n{"name": "calc"}\n</tool_call>', None),  # no input line: not a raw-input call
+        ('<tool_call>\n{"name": "calc", "x": 1}\nabc\n</tool_call>', None),
+        ('<tool_call>\n{"name": "calc"}\nabc', None),  # unclosed
+    ],
+)
+def test_hermes_raw_input_calls(block: str, expected: ParsedToolCall | None) -> None:
+    from server.tool_parsers import HermesToolParser
+
+    assert HermesToolParser.parse_block(block) == expected
+
+
+def test_a_lark_tool_is_raw_in_hermes_and_refused_by_the_other_formats() -> None:
+    calc = FunctionTool("calc", None, {"type": "object"}, strict=True, custom=True, lark="start: /[0-9]+/")
+    lark = get_tool_parser("hermes").grammar([calc], required=True, parallel=False)
+    assert lark is not None and '"{\\"name\\": \\"calc\\"}\\n" @input_calc' in lark
+    for name in ("llama3_json", "pythonic"):
+        with pytest.raises(ValueError, match="hermes"):
+            get_tool_parser(name).grammar([calc], required=True, parallel=False)
