@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.request import Request
 from dflash2.runner import ModelRunner
-from dflash2.runner.costs import measure_tree_costs
+from dflash2.runner.costs import TimingInterrupted, measure_tree_costs
 from dflash2.spec.adaptive import (
     TREE_PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
@@ -98,13 +98,27 @@ class SpeculationPolicy:
         self.tree_acceptance = AcceptanceTracker(spec.block_size - 1, prior=TREE_PRIOR_ACCEPTANCE)
         self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
 
-    def _measure_costs(self, runner: ModelRunner) -> CostModel:
+    def retime(self, runner: ModelRunner, interrupt: Callable[[], bool] | None = None) -> bool:
+        """Time the step costs again (the forwards changed: compiled graphs came into use) and start a
+        fresh cost table from them. Returns False, keeping the current table, when ``interrupt()`` turned
+        True before the timing ended."""
+        try:
+            self.cost_model = self._measure_costs(runner, interrupt)
+        except TimingInterrupted:
+            logger.info("adaptive speculation: timing the step costs again was interrupted by a request")
+            return False
+        return True
+
+    def _measure_costs(self, runner: ModelRunner, interrupt: Callable[[], bool] | None = None) -> CostModel:
         """The cost table: every verify width and the drafter's block, timed now at 1, 2, 4, … rows up to
-        ``max_num_seqs``, each row :data:`COST_CONTEXT` tokens in (a few seconds)."""
+        ``max_num_seqs``, each row :data:`COST_CONTEXT` tokens in (a few seconds). Raises
+        ``TimingInterrupted`` when ``interrupt()`` turns True first."""
         start = time.perf_counter()
         slots = self.spec.max_num_seqs
         row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
-        verify, draft = runner.measure_costs(row_counts, runner.verify_widths, context=COST_CONTEXT)
+        verify, draft = runner.measure_costs(
+            row_counts, runner.verify_widths, context=COST_CONTEXT, interrupt=interrupt
+        )
         model = CostModel(slots, runner.verify_widths)
         model.seed(verify, draft)
         logger.info(
@@ -118,7 +132,10 @@ class SpeculationPolicy:
             start = time.perf_counter()
             widths = [w for w in model.widths if w > 1]
             nodes = {w: self.spec.tree_budget(w) for w in widths}
-            model.seed_tree(*measure_tree_costs(runner, row_counts, nodes, self.spec.tree_topk, COST_CONTEXT))
+            costs = measure_tree_costs(
+                runner, row_counts, nodes, self.spec.tree_topk, COST_CONTEXT, interrupt=interrupt
+            )
+            model.seed_tree(*costs)
             logger.info(
                 "adaptive speculation: token-tree step costs measured in %.1f s; ms per tree verify at 1 row "
                 "by width (nodes): %s",

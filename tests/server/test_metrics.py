@@ -28,7 +28,17 @@ COUNTERS = [
     "generation_tokens",
     "request_success",
 ]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cpu_threads", "model_info"]
+GAUGES = [
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "cpu_threads",
+    "model_info",
+    "compiled",
+    "compiled_graphs",
+    "compile_seconds",
+    "compile_failed",
+]
 HISTOGRAMS = [
     "spec_decode_draft_length",
     "spec_decode_prediction_error",
