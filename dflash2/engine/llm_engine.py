@@ -238,7 +238,7 @@ class Engine:
                 return
             self.compiler = None
             self._install_compiled(compiler, code)
-        if idle and self._costs_stale and self.policy.cost_model is not None:
+        if idle and self._costs_stale:
             try:
                 self._costs_stale = not self.policy.retime(self.runner, interrupt=self.has_unfinished_requests)
             except Exception as error:  # keep the old table
@@ -273,7 +273,7 @@ class Engine:
                 seconds,
                 loading,
             )
-        self._costs_stale = num_graphs > 0
+        self._costs_stale = num_graphs > 0 and self.policy.cost_model is not None
 
     # ---- what callers read ------------------------------------------------------------------
 

@@ -94,6 +94,8 @@ class BackgroundCompiler:
             errors="replace",
         )
         self.pid = self.process.pid
+        # At once, from here: the worker itself could do it only after its imports.
+        _lower_priority(self.pid)
         assert self.process.stdin is not None and self.process.stderr is not None
         with self.process.stdin as stdin:
             stdin.write(json.dumps(job))
@@ -155,13 +157,14 @@ def compile_job(config: Any, max_model_len: int, num_threads: int, dynamic_threa
 # ---- the worker ----------------------------------------------------------------------------------
 
 
-def _lower_priority() -> None:
-    """Run only when the cores are otherwise idle (``SCHED_IDLE``), at nice 19 where that is refused."""
-    with contextlib.suppress(OSError):
-        os.nice(19)
+def _lower_priority(pid: int) -> None:
+    """Let process ``pid`` run only when the cores are otherwise idle (``SCHED_IDLE``), at nice 19 where
+    that is refused; the threads and processes it starts inherit both."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
     if hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -222,8 +225,7 @@ def _run_worker(job: dict[str, Any]) -> int:
 def main() -> int:
     """The worker's entry point: the job from stdin, logs to stderr, exit status 0 on success."""
     job = json.loads(sys.stdin.read())
-    _die_with_parent(int(job["parent_pid"]))
-    _lower_priority()
+    _die_with_parent(int(job["parent_pid"]))  # its priority was lowered by the server (BackgroundCompiler)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return _run_worker(job)

@@ -6,6 +6,7 @@ saved as folders, so that the worker loads the same models; its graphs compile i
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,12 +29,41 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_model(root / "model"), write_tiny_drafter(root / "drafter")
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dflash2 cache of this module's tests: empty at first, so the first worker compiles."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty dflash2 cache: nothing compiled or saved yet (the worker inherits the environment)."""
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+def cache(module_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This module's cache for the engine and its worker (which inherits the environment). The worker
+    keeps the normal CPU priority here: at the idle priority a test on cores busy with other work would
+    wait for them to free up."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(module_cache))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(background, "_lower_priority", lambda pid: None)
+    return module_cache
+
+
+@pytest.fixture
+def empty_cache(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache of its own: no saved graph to load."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+def test_the_worker_runs_at_the_idle_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the server does to the worker right after starting it (a stand-in process here)."""
+    monkeypatch.setattr(background, "worker_command", lambda: [sys.executable, "-c", "import time; time.sleep(30)"])
+    compiler = background.BackgroundCompiler({"config": {}})
+    try:
+        if hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(compiler.pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, compiler.pid) == 19
+    finally:
+        compiler.stop()
+    assert compiler.poll() is not None
 
 
 def config(folders: tuple[Path, Path], **overrides: object) -> EngineConfig:
@@ -43,7 +73,7 @@ def config(folders: tuple[Path, Path], **overrides: object) -> EngineConfig:
         drafter=str(drafter),
         device="cpu",
         dtype="float32",
-        max_num_seqs=2,
+        max_num_seqs=1,  # five graphs: batch 1 only
         max_model_len=256,
         adaptive_threads=False,
         num_threads=1,
@@ -81,7 +111,8 @@ def new_tokens(engine: Engine) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
 
 
-def test_serves_eagerly_then_switches_to_compiled_graphs_between_steps(folders, fresh_cache, reference) -> None:
+def test_serves_eagerly_then_switches_to_compiled_graphs_between_steps(folders, cache, reference) -> None:
+    """The first start: nothing saved, the worker compiles every graph."""
     engine = Engine.from_config(config(folders, background_compile=True))
     try:
         assert engine.compile_status.state == "compiling" and engine.compiler is not None
@@ -115,22 +146,24 @@ def test_serves_eagerly_then_switches_to_compiled_graphs_between_steps(folders, 
         engine.close()
 
 
-def test_a_second_start_loads_the_saved_graphs(folders, fresh_cache, reference) -> None:
-    """The worker of a start whose graphs are saved loads them (seconds); the engine then does too."""
-    first = Engine.from_config(config(folders, background_compile=True))
-    assert first.compiler is not None and first.compiler.process.wait(timeout=WORKER_TIMEOUT) == 0
-    first.close()
+def test_a_second_start_loads_the_saved_graphs(folders, cache, reference, caplog) -> None:
+    """The worker of a start whose graphs were saved (by the test above) loads them in seconds; the engine
+    then loads them too."""
+    caplog.set_level("INFO", logger="dflash2.runner.background")  # the worker's lines, relayed
     engine = Engine.from_config(config(folders, background_compile=True))
     try:
         assert engine.compiler is not None and engine.compiler.process.wait(timeout=WORKER_TIMEOUT) == 0
         compiled_at_step: list[bool] = []
         assert run_to_end(engine, compiled_at_step)[0] == reference
+        relayed = [r.getMessage() for r in caplog.records if r.name == "dflash2.runner.background"]
+        assert any("compile worker: dflash2.runner.compile: loaded target graph" in m for m in relayed), relayed
+        assert not any("compiled target graph" in m for m in relayed)
         assert all(compiled_at_step) and engine.compile_status.is_compiled
     finally:
         engine.close()
 
 
-def test_a_failed_worker_keeps_the_engine_serving_eagerly(folders, fresh_cache, reference, monkeypatch, caplog):
+def test_a_failed_worker_keeps_the_engine_serving_eagerly(folders, empty_cache, reference, monkeypatch, caplog):
     fail = "import sys; sys.stdin.read(); print('ERROR dflash2: out of memory', file=sys.stderr); sys.exit(3)"
     monkeypatch.setattr(background, "worker_command", lambda: [sys.executable, "-c", fail])
     engine = Engine.from_config(config(folders, background_compile=True))
@@ -149,6 +182,6 @@ def test_a_failed_worker_keeps_the_engine_serving_eagerly(folders, fresh_cache, 
         engine.close()
 
 
-def test_enforce_eager_and_up_front_compilation_start_no_worker(folders, fresh_cache) -> None:
+def test_enforce_eager_starts_no_worker(folders, cache) -> None:
     eager = Engine.from_config(config(folders, background_compile=True, enforce_eager=True))
     assert eager.compiler is None and eager.compile_status.state == "eager" and not eager.compile_pending
