@@ -127,7 +127,7 @@ class Engine:
                 self._cpu_load.exclude(self.compiler.pid)
         self._costs_stale = False  # the cost table was timed on forwards that are no longer in use
         self.scheduler = Scheduler(spec.max_num_seqs)
-        self.policy = SpeculationPolicy(spec, self.runner)
+        self.policy = SpeculationPolicy(spec, self.runner, quick=self.compiler is not None)
         prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy
         self.prefix_cache = PrefixCache(spec.max_num_seqs, enabled=prefix)
         self.slots = SlotTable(self.scheduler, self.runner, self.prefix_cache)
