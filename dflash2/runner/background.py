@@ -3,7 +3,7 @@
 On a fresh machine compiling the decode graphs takes minutes (about 6 on 2 cores for the server's
 defaults). The server does not wait for them: its runner is built with ``defer_compile`` (eager
 forwards, the modules to compile built but not compiled), and :class:`BackgroundCompiler` starts a
-worker process — ``python -m dflash2.runner.background`` — that loads the same models with the
+worker process — ``python -m dflash2.compile_worker`` — that loads the same models with the
 same settings, compiles and warms up every graph exactly as an up-front start would, and saves
 them (``dflash2/precompiled.py``) before it exits. The engine then loads the saved graphs between
 two steps (:meth:`dflash2.engine.Engine.poll_compile`), seconds instead of minutes.
@@ -15,9 +15,9 @@ caches, and the compiler's Python work and C++ builds on a thread starved the en
 server (``PR_SET_PDEATHSIG``). Its cost is memory: a second copy of the weights and the compiler's
 own, for the minutes it runs.
 
-The worker reads its job, one JSON object, from stdin and logs to stderr (``LEVEL logger: message``
-lines, which the server logs again under ``dflash2.runner.background``). Exit status 0: every graph
-was compiled and saved.
+The worker reads its job, one JSON object (:func:`compile_job`), from stdin and logs to stderr
+(``LEVEL logger: message`` lines, which the server logs again under ``dflash2.runner.background``).
+Exit status 0: every graph was compiled and saved.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "dflash2.runner.background"
+WORKER_MODULE = "dflash2.compile_worker"
 _TAIL_LINES = 20  # worker log lines kept to explain a failure
 
 
@@ -103,7 +103,10 @@ class BackgroundCompiler:
             target=self._relay, args=(self.process.stderr,), name="dflash2-compile-log", daemon=True
         )
         self._reader.start()
-        logger.info("compiling the decode graphs in a background process (pid %d); serving eagerly meanwhile", self.pid)
+        # At the default log level too: decoding is slower until the graphs are in use (Engine.poll_compile says when).
+        logger.warning(
+            "serving with the eager forwards while a background process (pid %d) compiles the decode graphs", self.pid
+        )
 
     def _relay(self, stream: IO[str]) -> None:
         """Log the worker's lines at their own level; keep the last ones."""
@@ -154,9 +157,6 @@ def compile_job(config: Any, max_model_len: int, num_threads: int, dynamic_threa
     return {"config": settings, "dynamic_threads": dynamic_threads, "parent_pid": os.getpid()}
 
 
-# ---- the worker ----------------------------------------------------------------------------------
-
-
 def _lower_priority(pid: int) -> None:
     """Let process ``pid`` run only when the cores are otherwise idle (``SCHED_IDLE``), at nice 19 where
     that is refused; the threads and processes it starts inherit both."""
@@ -165,74 +165,3 @@ def _lower_priority(pid: int) -> None:
     if hasattr(os, "SCHED_IDLE"):
         with contextlib.suppress(OSError):
             os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to end this process when the server exits, and exit now if it already has."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        sys.exit(1)
-
-
-def _run_worker(job: dict[str, Any]) -> int:
-    """Load the models, compile and save every graph; 0 when all compiled."""
-    import resource
-
-    import torch
-    import torch._inductor.config as inductor_config
-
-    from dflash2.config import EngineConfig, resolve_spec
-    from dflash2.loading import load_models
-    from dflash2.runner.model_runner import ModelRunner
-
-    inductor_config.compile_threads = 1  # one C++ build at a time: the server keeps the other cores
-    config = EngineConfig(**job["config"])
-    start = time.monotonic()
-    models = load_models(config)
-    spec = resolve_spec(config, models.target, models.drafter)
-    runner = ModelRunner(
-        models.target,
-        models.drafter if spec.speculative else None,
-        spec.max_num_seqs,
-        spec.max_model_len,
-        spec.block_size,
-        dynamic_threads=bool(job["dynamic_threads"]),
-        use_selector=config.use_selector,
-        tree_nodes=spec.tree_nodes,
-    )
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if runner.compile_failures:
-        for name, error in runner.compile_failures.items():
-            logger.error("the %s forward did not compile: %s", name, error)
-        return 1
-    logger.info(
-        "%d graphs compiled and saved in %.1f s (%d threads, peak memory %.0f MiB)",
-        len(runner.compile_times),
-        time.monotonic() - start,
-        torch.get_num_threads(),
-        peak_mib,
-    )
-    return 0
-
-
-def main() -> int:
-    """The worker's entry point: the job from stdin, logs to stderr, exit status 0 on success."""
-    job = json.loads(sys.stdin.read())
-    _die_with_parent(int(job["parent_pid"]))  # its priority was lowered by the server (BackgroundCompiler)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        return _run_worker(job)
-    except Exception as error:
-        logger.error("compilation failed: %s: %s", type(error).__name__, str(error)[:500], exc_info=True)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
