@@ -61,6 +61,7 @@ def _run(job: dict[str, Any]) -> int:
         dynamic_threads=bool(job["dynamic_threads"]),
         use_selector=config.use_selector,
         tree_nodes=spec.tree_nodes,
+        zeroed_caches=False,  # its caches' pages stay unbacked: warm-up writes only the scratch slot
     )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if runner.compile_failures:

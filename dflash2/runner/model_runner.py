@@ -88,6 +88,9 @@ class ModelRunner:
             :meth:`load_deferred_graphs` loads the graphs another process compiled and saved for them
             (the server's background compilation, ``dflash2/runner/background.py``); elsewhere the
             graphs are compiled here, as without it.
+        zeroed_caches: False leaves the KV caches uninitialised, so their pages stay unbacked until
+            written (the compile worker, which writes only the scratch slot; a target the project decodes
+            itself). True for every runner that serves.
 
     Attributes:
         drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context
@@ -111,6 +114,7 @@ class ModelRunner:
         tree_nodes: int = 0,
         tensor_parallel: TensorParallelGroup | None = None,
         defer_compile: bool = False,
+        zeroed_caches: bool = True,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.tensor_parallel = tensor_parallel
@@ -131,11 +135,12 @@ class ModelRunner:
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if speculative and drafter else ()
         # One position more than a request can use: a key range [0, T) is then never the whole
         # cache, so the compiled graphs do not specialise on that case.
-        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1)
+        lazy = {} if zeroed_caches else {"zeroed": False}
+        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1, **lazy)
         self.drafting: DraftRunner | None = None
         if speculative and drafter is not None:
             layout = SlotLayout(self.device, self.dtype, num_slots, max_model_len, block_size)
-            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
+            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device, zeroed_caches)
             self.drafting = DraftRunner(drafter, cache, layout, use_selector)
         self._cuda = self.device.type == "cuda"
         if tensor_parallel is not None:  # the workers build theirs alongside, compiling the same graphs
