@@ -47,7 +47,8 @@ format: install
 # THREADS=N: the most CPU threads (the engine uses fewer while other work keeps the cores busy).
 THREADS ?=
 THREADS_FLAG := $(if $(THREADS),--threads $(THREADS))
-# ARGS="...": more flags for `make serve` / `make generate`, e.g. ARGS="--enforce-eager" to start without compiling.
+# ARGS="...": more flags for `make serve` / `make generate`, e.g. ARGS="--enforce-eager" never to compile
+# (`serve` answers at once either way; ARGS="--wait-for-compile" makes it ready only once compiled).
 ARGS ?=
 
 PROMPT ?= Explain what a binary search does.

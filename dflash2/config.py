@@ -54,6 +54,11 @@ class EngineConfig:
         enforce_eager: run every forward eagerly; by default the verify / decode forward and
             the drafter's block are compiled (inductor on CPU, CUDA graphs on CUDA) and fall
             back to eager mode with a warning when compilation fails (docs/engine.md).
+        background_compile: build the compiled forwards in a background process while the engine
+            serves with its eager forwards, and switch to them between two steps once they are built
+            (``dflash2/runner/background.py``; CPU, one process; elsewhere compiled up front). The
+            server's default (``--wait-for-compile`` turns it off); ``LLM``, ``generate`` and the
+            benchmarks compile before they decode. No effect with ``enforce_eager``.
         enable_prefix_caching: reuse the target KV and drafter context of the longest prompt
             prefix another request already computed (``dflash2/engine/prefix_cache.py``).
         speculative_adaptive: choose each step's verify width (drafts per row, 0 … B−1) from live
@@ -103,6 +108,7 @@ class EngineConfig:
     num_threads: int | None = None
     adaptive_threads: bool = True
     enforce_eager: bool = False
+    background_compile: bool = False
     enable_prefix_caching: bool = True
     speculative_adaptive: bool = True
     prompt_lookup_max: int | None = None

@@ -102,7 +102,8 @@ class CpuLoad:
     """Cores that other processes keep busy on this process's CPUs, between two reads.
 
     From ``/proc/stat``: busy time (user, nice, system, irq, softirq, steal) of the CPUs in this
-    process's affinity mask, less this process's own CPU time. Steal counts as others' work (a
+    process's affinity mask, less this process's own CPU time (and that of the processes given to
+    :meth:`exclude`). Steal counts as others' work (a
     hypervisor running other machines on our cores). Linux only; :meth:`others` returns None
     where ``/proc/stat`` cannot be read.
 
@@ -121,7 +122,23 @@ class CpuLoad:
             self.cpus = set()
         self.num_cpus = len(self.cpus) or (os.cpu_count() or 1)
         self._ticks_per_second = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._excluded: dict[int, float] = {}  # pid → its CPU-seconds at the last read
         self._previous = self._sample()
+
+    def exclude(self, pid: int) -> None:
+        """Count process ``pid``'s CPU time (and its reaped children's) as this process's own from now
+        on: a helper that runs only on otherwise idle cores (the background compile worker) is not a
+        neighbour to make room for. After it exits its last reading stays counted."""
+        self._excluded[pid] = self._process_seconds(pid) or 0.0
+
+    def _process_seconds(self, pid: int) -> float | None:
+        """utime + stime + cutime + cstime of ``pid`` from ``/proc/<pid>/stat``, or None."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return sum(int(v) for v in fields[11:15]) / self._ticks_per_second
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(wall seconds, busy CPU-seconds of our CPUs, this process's CPU-seconds), or None."""
@@ -137,7 +154,13 @@ class CpuLoad:
                 fields = [int(v) for v in rest.split()]
                 busy += fields[0] + fields[1] + fields[2] + sum(fields[5:8])  # user nice system · irq softirq steal
         times = os.times()
-        return time.monotonic(), busy / self._ticks_per_second, times.user + times.system
+        own = times.user + times.system
+        for pid, last in self._excluded.items():
+            seconds = self._process_seconds(pid)
+            if seconds is not None and seconds > last:
+                self._excluded[pid] = last = seconds
+            own += last
+        return time.monotonic(), busy / self._ticks_per_second, own
 
     def others(self) -> float | None:
         """Cores used by other processes since the previous call (or construction): 0 … CPUs."""

@@ -53,6 +53,10 @@ def graphs_dir() -> Path:
     return Path(cache_dir()) / "dflash2-graphs"
 
 
+class MissingGraphError(RuntimeError):
+    """A :class:`PrecompiledForward` with ``load_only`` found no saved graph that loads and fits."""
+
+
 @dataclasses.dataclass
 class _Graph:
     function: Any  # torch._dynamo.aot_compile.AOTCompiledFunction
@@ -71,10 +75,13 @@ class PrecompiledForward:
         guard_filter: dynamo guard filter (``guard_filter_fn``); guards that cannot be saved
             (object identities, globals) are dropped as well.
         settings: extra text for the cache key (compiler settings that change the generated code).
+        load_only: only load saved graphs, never compile: a shape class without a saved graph that
+            loads and fits raises :class:`MissingGraphError` (a server whose graphs another process
+            compiled, ``dflash2/runner/background.py``, must not stall on a compilation).
 
     Calls return whatever ``module(*inputs)`` returns. Building a graph raises what
     ``torch.compile`` raises (the runner falls back to eager); failing to save or load one only
-    logs (the graph is then compiled, or kept in memory only).
+    logs (the graph is then compiled, or kept in memory only), unless ``load_only``.
     """
 
     def __init__(
@@ -84,8 +91,10 @@ class PrecompiledForward:
         shape_class: Callable[[Sequence[Any]], Hashable],
         guard_filter: Callable[[Sequence[Any]], list[bool]],
         settings: str = "",
+        load_only: bool = False,
     ) -> None:
         self.module, self.name, self.shape_class = module, name, shape_class
+        self.load_only = load_only
         self.guard_filter = guard_filter
         self._module_key = _module_key(module, settings)
         self._graphs: dict[Hashable, _Graph] = {}
@@ -99,6 +108,8 @@ class PrecompiledForward:
         if not graph.checked:
             reason = self._guard_failure(graph, inputs)
             if reason is not None:
+                if self.load_only:
+                    raise MissingGraphError(f"the saved {self.name} graph for {label} does not fit ({reason})")
                 # A saved graph whose assumptions do not hold here (the key should prevent it).
                 logger.warning(
                     "the saved %s graph for %s does not fit (%s); compiling it again", self.name, label, reason
@@ -139,7 +150,11 @@ class PrecompiledForward:
                 self.last_source = "loaded"
                 return _Graph(function)
             except Exception as error:  # a stale or truncated file: compile again
+                if self.load_only:
+                    raise MissingGraphError(f"could not load {path} ({type(error).__name__}: {error})") from error
                 logger.warning("could not load %s (%s: %s); compiling again", path, type(error).__name__, error)
+        if self.load_only:
+            raise MissingGraphError(f"no saved {self.name} graph for {label} ({path})")
         return self._compile(label, inputs)
 
     def _compile(self, label: Hashable, inputs: Sequence[Any]) -> _Graph:

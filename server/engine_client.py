@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_SECONDS = 30.0
+_IDLE_POLL_SECONDS = 1.0  # how often an idle engine thread checks on background compilation
 
 
 class EngineObserver(Protocol):
@@ -235,10 +236,25 @@ class EngineClient:
             self._wakeup.notify_all()
 
     def _wait_for_work(self, engine: Engine) -> bool:
-        with self._wakeup:
-            while not self._is_stopping and self.fatal_error is None and not engine.has_unfinished_requests():
-                self._wakeup.wait()
-            return not self._is_stopping and self.fatal_error is None
+        """Sleep until a request is in the engine (True) or the thread is to stop (False). While the engine
+        has background work between steps (``Engine.compile_pending``: the compiled graphs to load when
+        the worker is done, the step costs to time again), wake up every ``_IDLE_POLL_SECONDS`` to do it
+        here, outside the lock, so an idle server reaches full speed without waiting for a request."""
+        while True:
+            with self._wakeup:
+                if self._is_stopping or self.fatal_error is not None:
+                    return False
+                if engine.has_unfinished_requests():
+                    return True
+                idle_work = bool(getattr(engine, "compile_pending", False))
+                self._wakeup.wait(_IDLE_POLL_SECONDS if idle_work else None)
+                if self._is_stopping or self.fatal_error is not None or engine.has_unfinished_requests():
+                    continue
+            if idle_work:
+                try:
+                    engine.poll_compile(idle=True)
+                except Exception:  # never ends the engine thread: the engine serves eagerly
+                    logger.exception("loading the compiled graphs failed")
 
     def _step(self, engine: Engine) -> None:
         started = time.monotonic()

@@ -32,6 +32,7 @@ from dflash2.outputs import StepStats
 from server.responses.store import EVICTION_REASONS
 
 if TYPE_CHECKING:
+    from dflash2.runner.background import CompileStatus
     from server.responses.store import ResponseStore
     from server.timings import RequestTimings
 
@@ -147,6 +148,16 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("cpu_threads", "gauge",
                    "torch CPU threads the last engine step ran with: fewer than --threads while other processes "
                    "keep the cores busy (adaptive threads); 0 on CUDA."),
+        MetricSpec("compiled", "gauge",
+                   "1 once the compiled decode forwards are in use (full speed); 0 while the server serves with "
+                   "its eager forwards: the graphs are still compiling in the background, compilation failed, or "
+                   "--enforce-eager."),
+        MetricSpec("compiled_graphs", "gauge", "Compiled graphs in use (0 until they are)."),
+        MetricSpec("compile_seconds", "gauge",
+                   "Seconds from the start of compilation to the compiled graphs in use (0 until then)."),
+        MetricSpec("compile_failed", "gauge",
+                   "1 when compiling (or loading) the graphs failed and some forwards stay eager (the log says "
+                   "why); the server goes on serving."),
         MetricSpec("spec_decode_draft_length", "histogram",
                    "Drafts each decode row verified per step (adaptive speculation chooses 0 … block size - 1).",
                    buckets=tuple(float(b) for b in range(0, block_size))),
@@ -278,6 +289,20 @@ class Metrics:
         for reason in EVICTION_REASONS:
             self.families["stored_responses_evicted"].children(reason=reason)
         self.families["model_info"].set(1, quantization=quantization)
+
+    def watch_compile(self, status: Callable[[], CompileStatus]) -> None:
+        """Read the compile gauges from ``status()`` at every scrape (the engine's
+        ``compile_status``: the switch to compiled graphs can happen while no step runs)."""
+        f = self.families
+        readers: dict[str, Callable[[], float]] = {
+            "compiled": lambda: float(status().is_compiled),
+            "compiled_graphs": lambda: float(status().num_graphs),
+            "compile_seconds": lambda: status().seconds or 0.0,
+            "compile_failed": lambda: float(status().state == "failed"),
+        }
+        for name, read in readers.items():
+            for child in f[name].children():
+                child.set_function(read)  # type: ignore[attr-defined]
 
     def on_step(self, stats: StepStats) -> None:
         """Counters, acceptance lengths, tokens per step and queue gauges from one engine step."""

@@ -241,7 +241,8 @@ async def health(state: State) -> JSONResponse:
 
 @public.get("/health/ready", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def ready(state: State) -> JSONResponse:
-    """Readiness: target and drafter loaded (and compiled) and not draining."""
+    """Readiness: target and drafter loaded and not draining (the compiled graphs may still be building in the
+    background: the eager forwards serve meanwhile; ``--wait-for-compile`` waits for them)."""
     status = state.readiness
     return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 

@@ -148,6 +148,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle keep-alive connection stays open (above clients' own idle limit; default: %(default)s)",
     )
     g.add_argument(
+        "--wait-for-compile",
+        dest="background_compile",
+        action="store_false",
+        help="compile the decode forwards before the server turns ready, as `generate` does (default: ready at "
+        "once with the eager forwards while a low-priority background process compiles them; the compiled "
+        "graphs come into use between two steps once built)",
+    )
+    g.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSER_CHOICES,
         default=_DEFAULTS.tool_call_parser,

@@ -58,6 +58,9 @@ class ServerState:
             model.max_model_len,
             model.quantization,
         )
+        compile_status = getattr(engine, "compile_status", None)
+        if compile_status is not None:  # read at every scrape
+            self.metrics.watch_compile(lambda: engine.compile_status)
         self.client.observer = self.metrics
         self.responses = ResponseStore(
             self.settings.responses_store_max_entries,
@@ -76,9 +79,12 @@ class ServerState:
             self.settings.reasoning_parser,
         )
         logger.info(
-            "serving %s (block size %d, max_model_len %d, weights %s)",
+            "serving %s (block size %d, max_model_len %d, weights %s%s)",
             model.name,
             engine.block_size,
             model.max_model_len,
             model.quantization,
+            ", eager forwards until the background compilation is done"
+            if compile_status is not None and compile_status.state == "compiling"
+            else "",
         )

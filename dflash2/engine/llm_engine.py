@@ -38,7 +38,9 @@ from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.models.layers import batch_invariant
 from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
 from dflash2.parallel import TensorParallelError, TensorParallelGroup
+from dflash2.platform import CpuLoad
 from dflash2.runner import ModelRunner
+from dflash2.runner.background import BackgroundCompiler, CompileStatus, compile_job
 from dflash2.sampling import SamplingParams
 from dflash2.threads import ThreadGovernor
 
@@ -96,7 +98,9 @@ class Engine:
         self.spec: EngineSpec = resolve_spec(config, target, drafter)
         spec = self.spec
         self.grammar = GrammarBackend(tokenizer, spec.vocab_size) if tokenizer is not None else None
+        self._cpu_load: CpuLoad | None = None
         self.threads = self._thread_governor()
+        max_threads = torch.get_num_threads()  # before settle() lowers it on busy cores
         if self.threads is not None:
             self.threads.settle()  # start-up (compiling, timing step costs) at a count that fits the free cores
         self.runner = ModelRunner(
@@ -111,9 +115,19 @@ class Engine:
             use_selector=config.use_selector,
             tree_nodes=spec.tree_nodes,
             tensor_parallel=tensor_parallel,
+            defer_compile=config.background_compile,
         )
+        self.compiler: BackgroundCompiler | None = None  # the compile worker while it runs
+        self._compile_status = self._initial_compile_status()
+        if self.runner.graphs_deferred:
+            job = compile_job(config, spec.max_model_len, max_threads, self.threads is not None)
+            self.compiler = BackgroundCompiler(job)
+            self._compile_status = CompileStatus("compiling")
+            if self._cpu_load is not None:  # it runs only on otherwise idle cores: not a neighbour to yield to
+                self._cpu_load.exclude(self.compiler.pid)
+        self._costs_stale = False  # the cost table was timed on forwards that are no longer in use
         self.scheduler = Scheduler(spec.max_num_seqs)
-        self.policy = SpeculationPolicy(spec, self.runner)
+        self.policy = SpeculationPolicy(spec, self.runner, quick=self.compiler is not None)
         prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy
         self.prefix_cache = PrefixCache(spec.max_num_seqs, enabled=prefix)
         self.slots = SlotTable(self.scheduler, self.runner, self.prefix_cache)
@@ -159,7 +173,10 @@ class Engine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent); the engine runs no step after this."""
+        """Stop the tensor-parallel workers and the compile worker, if any (idempotent); the engine runs
+        no step after this."""
+        if self.compiler is not None:
+            self.compiler.stop()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 
@@ -181,10 +198,82 @@ class Engine:
             return None
         if self.tensor_parallel is not None:  # the workers keep theirs: ranks must run at the same pace
             return None
-        from dflash2.platform import CpuLoad
-
-        load = CpuLoad()
+        load = self._cpu_load = CpuLoad()
         return ThreadGovernor(threads, set_threads=torch.set_num_threads, load=load.others, num_cpus=load.num_cpus)
+
+    # ---- compiled forwards built in the background -------------------------------------------
+
+    def _initial_compile_status(self) -> CompileStatus:
+        runner = self.runner
+        if runner.graphs_deferred:
+            return CompileStatus("compiling")
+        if runner.compile_failures:
+            return CompileStatus("failed", len(runner.compile_times), error="; ".join(runner.compile_failures.values()))
+        if not runner.compile_times:
+            return CompileStatus("eager")
+        return CompileStatus("compiled", len(runner.compile_times), runner.compile_seconds)
+
+    @property
+    def compile_status(self) -> CompileStatus:
+        """Where the compiled forwards stand (``dflash2.runner.background.CompileStatus``)."""
+        return self._compile_status
+
+    @property
+    def compile_pending(self) -> bool:
+        """True while :meth:`poll_compile` has work: the compile worker runs, or the adaptive policy's step
+        costs are to be timed again on the compiled forwards."""
+        return self.compiler is not None or self._costs_stale
+
+    def poll_compile(self, idle: bool = True) -> None:
+        """Between steps (never inside one): once the compile worker has exited, load the graphs it saved
+        and route the forwards to them (seconds; a graph that is missing or does not load leaves its
+        forward eager, and a failed worker is logged as an error: the engine goes on serving eagerly).
+        When ``idle`` (no request queued or running), also time the adaptive policy's step costs again
+        on the compiled forwards; a request that arrives meanwhile interrupts that, and it is retried at
+        the next idle moment. Never raises."""
+        compiler = self.compiler
+        if compiler is not None:
+            code = compiler.poll()
+            if code is None:
+                return
+            self.compiler = None
+            self._install_compiled(compiler, code)
+        if idle and self._costs_stale:
+            try:
+                self._costs_stale = not self.policy.retime(self.runner, interrupt=self.has_unfinished_requests)
+            except Exception as error:  # keep the old table
+                self._costs_stale = False
+                logger.error("timing the step costs of the compiled forwards failed: %r", error)
+
+    def _install_compiled(self, compiler: BackgroundCompiler, code: int) -> None:
+        failure = compiler.failure(code) if code != 0 else None
+        if failure is not None:
+            logger.error("background compilation failed; serving with the eager forwards: %s", failure)
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode(False):
+                failures = self.runner.load_deferred_graphs()
+        except Exception as error:
+            failures = {"all": f"{type(error).__name__}: {error}"}
+        loading = time.perf_counter() - start
+        num_graphs = len(self.runner.compile_times)
+        if failure is None and failures:
+            failure = "; ".join(f"{name}: {why}" for name, why in failures.items())
+            logger.error(
+                "loading the background-compiled graphs failed; serving eagerly where they did not load: %s", failure
+            )
+        seconds = time.monotonic() - compiler.started
+        if failure is not None:
+            self._compile_status = CompileStatus("failed", num_graphs, None, failure)
+        else:
+            self._compile_status = CompileStatus("compiled", num_graphs, seconds)
+            logger.warning(
+                "full speed: %d compiled graphs in use, %.0f s after compilation started (loaded in %.1f s)",
+                num_graphs,
+                seconds,
+                loading,
+            )
+        self._costs_stale = num_graphs > 0 and self.policy.cost_model is not None
 
     # ---- what callers read ------------------------------------------------------------------
 
@@ -247,6 +336,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepResult:
         """One engine iteration: schedule → prefill → plan → propose → verify → commit → emit."""
+        if self.compiler is not None:
+            self.poll_compile(idle=False)  # a step boundary: the compiled graphs may come in here
         if self.threads is not None:
             # A seeded request's text must not follow the load: while one is queued or running, steps run
             # at the configured count (the count decides how reductions are split, so their rounding).

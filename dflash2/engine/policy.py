@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.request import Request
 from dflash2.runner import ModelRunner
-from dflash2.runner.costs import measure_tree_costs
+from dflash2.runner.costs import TimingInterrupted, measure_tree_costs
 from dflash2.spec.adaptive import (
     TREE_PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
@@ -89,28 +89,50 @@ class SpeculationPolicy:
     Args:
         spec: the engine's resolved settings.
         runner: times the step costs at start-up (adaptive only).
+        quick: a provisional table (eager forwards that serve only until the compiled graphs come into
+            use, then :meth:`retime`): timed at 1 row and at ``max_num_seqs`` rows, once each after the
+            warm-up, instead of at every power of two three times. Readiness waits for it: on 2 busy
+            cores the full timing of the eager forwards took over 2 minutes.
     """
 
-    def __init__(self, spec: EngineSpec, runner: ModelRunner) -> None:
+    def __init__(self, spec: EngineSpec, runner: ModelRunner, quick: bool = False) -> None:
         self.spec = spec
-        self.cost_model = self._measure_costs(runner) if spec.adaptive else None
+        self.cost_model = self._measure_costs(runner, quick=quick) if spec.adaptive else None
         self.acceptance = AcceptanceTracker(spec.block_size - 1)
         self.tree_acceptance = AcceptanceTracker(spec.block_size - 1, prior=TREE_PRIOR_ACCEPTANCE)
         self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
 
-    def _measure_costs(self, runner: ModelRunner) -> CostModel:
+    def retime(self, runner: ModelRunner, interrupt: Callable[[], bool] | None = None) -> bool:
+        """Time the step costs again (the forwards changed: compiled graphs came into use) and start a
+        fresh cost table from them. Returns False, keeping the current table, when ``interrupt()`` turned
+        True before the timing ended."""
+        try:
+            self.cost_model = self._measure_costs(runner, interrupt)
+        except TimingInterrupted:
+            logger.info("adaptive speculation: timing the step costs again was interrupted by a request")
+            return False
+        return True
+
+    def _measure_costs(
+        self, runner: ModelRunner, interrupt: Callable[[], bool] | None = None, quick: bool = False
+    ) -> CostModel:
         """The cost table: every verify width and the drafter's block, timed now at 1, 2, 4, … rows up to
-        ``max_num_seqs``, each row :data:`COST_CONTEXT` tokens in (a few seconds)."""
+        ``max_num_seqs`` (``quick``: at 1 and ``max_num_seqs`` rows, once), each row :data:`COST_CONTEXT`
+        tokens in (a few seconds). Raises ``TimingInterrupted`` when ``interrupt()`` turns True first."""
         start = time.perf_counter()
         slots = self.spec.max_num_seqs
-        row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots), slots})
-        verify, draft = runner.measure_costs(row_counts, runner.verify_widths, context=COST_CONTEXT)
+        row_counts = sorted({*(2**i for i in range(slots.bit_length()) if 2**i <= slots and not quick), 1, slots})
+        repeats = 1 if quick else 3
+        verify, draft = runner.measure_costs(
+            row_counts, runner.verify_widths, repeats, context=COST_CONTEXT, interrupt=interrupt
+        )
         model = CostModel(slots, runner.verify_widths)
         model.seed(verify, draft)
         logger.info(
-            "adaptive speculation: step costs measured in %.1f s; ms per verify at 1 row by width: %s; "
+            "adaptive speculation: step costs measured in %.1f s%s; ms per verify at 1 row by width: %s; "
             "drafter block + selector by width: %s",
             time.perf_counter() - start,
+            " (provisional, eager forwards)" if quick else "",
             ", ".join(f"{w}: {1000 * model.verify[(1, w)]:.1f}" for w in model.widths),
             ", ".join(f"{w}: {1000 * model.draft[(1, w)]:.1f}" for w in model.widths if w > 1),
         )
@@ -118,7 +140,10 @@ class SpeculationPolicy:
             start = time.perf_counter()
             widths = [w for w in model.widths if w > 1]
             nodes = {w: self.spec.tree_budget(w) for w in widths}
-            model.seed_tree(*measure_tree_costs(runner, row_counts, nodes, self.spec.tree_topk, COST_CONTEXT))
+            costs = measure_tree_costs(
+                runner, row_counts, nodes, self.spec.tree_topk, COST_CONTEXT, repeats, interrupt=interrupt
+            )
+            model.seed_tree(*costs)
             logger.info(
                 "adaptive speculation: token-tree step costs measured in %.1f s; ms per tree verify at 1 row "
                 "by width (nodes): %s",

@@ -489,10 +489,15 @@ class DFlashDrafter(nn.Module):
             if self.candidate_selector is not None:
                 self.candidate_selector.successor_codebook.zero_()
 
-    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        """A context K/V cache (spec §2.6): one entry per committed token with a known target feature."""
+    def new_cache(
+        self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device, zeroed: bool = True
+    ) -> KVCache:
+        """A context K/V cache (spec §2.6): one entry per committed token with a known target feature
+        (``zeroed``: see :class:`KVCache`)."""
         c = self.config
-        return KVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, max_len, c.head_dim, dtype, device)
+        return KVCache(
+            c.num_hidden_layers, num_slots, c.num_key_value_heads, max_len, c.head_dim, dtype, device, zeroed
+        )
 
     # ---- inference ----------------------------------------------------------------------
 

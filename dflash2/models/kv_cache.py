@@ -13,7 +13,8 @@ import torch
 
 
 class KVCache:
-    """K/V storage ``[num_layers, num_slots, nkv, max_len, d]`` plus per-slot lengths.
+    """K/V storage ``[num_layers, num_slots, nkv, max_len, d]`` plus per-slot lengths; zero-filled unless
+    ``zeroed`` is False.
 
     Raises:
         ValueError: from :meth:`write` when a position is outside ``[0, max_len)``.
@@ -28,10 +29,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        zeroed: bool = True,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # zeroed=False: uninitialised, so a large CPU allocation stays unbacked until written (the
+        # background compile worker writes only its scratch slot; masks never read past a length).
+        allocate = torch.zeros if zeroed else torch.empty
+        self.k = allocate(shape, dtype=dtype, device=device)
+        self.v = allocate(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * num_slots
 

@@ -206,12 +206,13 @@ class TargetModel(nn.Module):
             count += 1
         return count
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A preallocated KV cache for ``num_slots`` sequences of ``max_len`` tokens."""
+    def new_cache(self, num_slots: int, max_len: int, zeroed: bool = True) -> KVCache:
+        """A preallocated KV cache for ``num_slots`` sequences of ``max_len`` tokens (``zeroed``: see
+        :class:`KVCache`)."""
         weight = self.embed_tokens.weight
         attn = self.decoder_layers()[0].self_attn
         return KVCache(
-            self.num_layers, num_slots, attn.num_kv_heads, max_len, self.head_dim, weight.dtype, weight.device
+            self.num_layers, num_slots, attn.num_kv_heads, max_len, self.head_dim, weight.dtype, weight.device, zeroed
         )
 
     def fused_copy(self) -> TargetModel:

@@ -429,20 +429,30 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
     return modules
 
 
-def compile_modules(runner: ModelRunner, modules: list[tuple[str, nn.Module]]) -> dict[str, Callable[..., Any]]:
+def compile_modules(
+    runner: ModelRunner, modules: list[tuple[str, nn.Module]], load_only: bool = False
+) -> dict[str, Callable[..., Any]]:
     """Compile and warm up each module; on failure keep that forward eager with a warning.
+
+    Args:
+        load_only: (CPU) load the graphs another process saved and never compile one
+            (:class:`~dflash2.precompiled.PrecompiledForward`'s ``load_only``): a module without a
+            saved graph that fits stays eager, with a warning.
 
     Returns:
         The compiled forwards by module name (``target``, ``drafter``, ``context``); the build time
-        and source of each graph go into ``runner.compile_times`` and ``runner.graph_sources``.
+        and source of each graph go into ``runner.compile_times`` and ``runner.graph_sources``, the
+        names of the modules left eager and why into ``runner.compile_failures``.
     """
     start = time.perf_counter()
     cuda = runner.device.type == "cuda"
     logger.info(
-        "compiling the %s forward%s for %s (minutes on a small CPU; --enforce-eager skips this)",
+        "%s the %s forward%s for %s%s",
+        "loading" if load_only else "compiling",
         " and ".join(name for name, _ in modules),
         "s" * (len(modules) > 1),
         "CUDA graphs" if cuda else "inductor",
+        "" if load_only else " (minutes on a small CPU; --enforce-eager skips this)",
     )
     configure_compiler(runner.device, runner.dynamic_threads)
     if cuda:  # one recorded graph per static shape: dynamo must not give up on them and run eagerly
@@ -466,10 +476,13 @@ def compile_modules(runner: ModelRunner, modules: list[tuple[str, nn.Module]]) -
                     _SHAPE_CLASSES[name],
                     without_global_state_guard,
                     settings=f"slots={runner.num_slots} block={runner.block_size}",
+                    load_only=load_only,
                 )
             _warm_up(runner, name, forward)
         except Exception as error:
-            logger.warning("compiling the %s failed, running it eagerly: %s", name, short_error(error))
+            verb = "loading" if load_only else "compiling"
+            logger.warning("%s the %s failed, running it eagerly: %s", verb, name, short_error(error))
+            runner.compile_failures[name] = short_error(error)
             continue
         forwards[name] = forward
     runner.compile_seconds = time.perf_counter() - start

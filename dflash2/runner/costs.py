@@ -15,8 +15,17 @@ if TYPE_CHECKING:
     from dflash2.runner.model_runner import ModelRunner
 
 
+class TimingInterrupted(Exception):
+    """The ``interrupt`` callback of a timing said to stop (work arrived)."""
+
+
 def measure_costs(
-    runner: ModelRunner, row_counts: Sequence[int], widths: Sequence[int], repeats: int = 3, context: int = 0
+    runner: ModelRunner,
+    row_counts: Sequence[int],
+    widths: Sequence[int],
+    repeats: int = 3,
+    context: int = 0,
+    interrupt: Callable[[], bool] | None = None,
 ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """Time the decode forwards on the scratch slot: the target at each (rows, width) and, with a
     drafter, a greedy step's proposal at each (rows, width ≥ 2) — its block and the choice of the
@@ -32,6 +41,9 @@ def measure_costs(
     Returns:
         ``({(rows, width): verify seconds}, {(rows, width): draft seconds})`` (the second empty
         without a drafter).
+
+    Raises:
+        TimingInterrupted: when ``interrupt()``, asked before each call, returns True.
     """
     calls: dict[tuple[str, int, int], Callable[[], object]] = {}
     context = max(0, min(context, runner.max_model_len - max(widths, default=1)))
@@ -50,11 +62,17 @@ def measure_costs(
             calls[("draft", rows, width)] = functools.partial(
                 runner.drafting.propose, slots, anchors, lengths, temperatures, uniforms, width, None
             )
-    return _timed(calls, repeats)
+    return _timed(calls, repeats, interrupt)
 
 
 def measure_tree_costs(
-    runner: ModelRunner, row_counts: Sequence[int], nodes: dict[int, int], topk: int, context: int = 0, repeats: int = 3
+    runner: ModelRunner,
+    row_counts: Sequence[int],
+    nodes: dict[int, int],
+    topk: int,
+    context: int = 0,
+    repeats: int = 3,
+    interrupt: Callable[[], bool] | None = None,
 ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """Time a token-tree step's parts as :func:`measure_costs` times a chain's: at each (rows, width W)
     the drafting (:meth:`DraftRunner.draft_lattice`: the block, top-k and the lattice's log-probabilities)
@@ -85,7 +103,7 @@ def measure_tree_costs(
             calls[("verify", rows, width)] = functools.partial(
                 _verify_tree, runner, slots, starts, candidate_ids, log_probs, topk, count, width - 1
             )
-    return _timed(calls, repeats)
+    return _timed(calls, repeats, interrupt)
 
 
 def _verify_tree(
@@ -106,16 +124,23 @@ def _verify_tree(
 
 
 def _timed(
-    calls: dict[tuple[str, int, int], Callable[[], object]], repeats: int
+    calls: dict[tuple[str, int, int], Callable[[], object]],
+    repeats: int,
+    interrupt: Callable[[], bool] | None = None,
 ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """Median seconds of each call after one warm-up round, the calls interleaved round by round;
-    split into the ``verify`` and ``draft`` tables by (rows, width)."""
+    split into the ``verify`` and ``draft`` tables by (rows, width). Raises ``TimingInterrupted`` when
+    ``interrupt()`` turns True before a call."""
     samples: dict[tuple[str, int, int], list[float]] = {key: [] for key in calls}
     with torch.inference_mode():
         for call in calls.values():  # warm-up
+            if interrupt is not None and interrupt():
+                raise TimingInterrupted
             call()
         for _ in range(repeats):
             for key, call in calls.items():
+                if interrupt is not None and interrupt():
+                    raise TimingInterrupted
                 start = time.perf_counter()
                 call()
                 samples[key].append(time.perf_counter() - start)

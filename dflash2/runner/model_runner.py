@@ -61,9 +61,10 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the target, the drafter and their caches; runs one step's forwards.
 
-    The constructor compiles and warms up every graph (a log line each) unless ``enforce_eager``;
-    a failed compilation logs a warning and leaves that forward eager (compiling on a thread while
-    eager forwards serve starved the engine thread: ``docs/engine.md``).
+    The constructor compiles and warms up every graph (a log line each) unless ``enforce_eager`` or
+    ``defer_compile``; a failed compilation logs a warning and leaves that forward eager (compiling on
+    a thread while eager forwards serve starved the engine thread: ``docs/engine.md``; the server
+    compiles in another process instead and loads the saved graphs between steps).
 
     Args:
         target: the loaded target.
@@ -83,6 +84,13 @@ class ModelRunner:
         tensor_parallel: rank 0's :class:`~dflash2.parallel.TensorParallelGroup` when ``target`` is its
             shard of a tensor-parallel target: every target forward is sent to the other ranks first,
             the K/V bookkeeping with the next forward (``dflash2/parallel.py``). None: one process.
+        defer_compile: on CPU in one process, build the modules to compile but run eagerly until
+            :meth:`load_deferred_graphs` loads the graphs another process compiled and saved for them
+            (the server's background compilation, ``dflash2/runner/background.py``); elsewhere the
+            graphs are compiled here, as without it.
+        zeroed_caches: False leaves the KV caches uninitialised, so their pages stay unbacked until
+            written (the compile worker, which writes only the scratch slot; a target the project decodes
+            itself). True for every runner that serves.
 
     Attributes:
         drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context
@@ -105,6 +113,8 @@ class ModelRunner:
         use_selector: bool = True,
         tree_nodes: int = 0,
         tensor_parallel: TensorParallelGroup | None = None,
+        defer_compile: bool = False,
+        zeroed_caches: bool = True,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.tensor_parallel = tensor_parallel
@@ -125,11 +135,12 @@ class ModelRunner:
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if speculative and drafter else ()
         # One position more than a request can use: a key range [0, T) is then never the whole
         # cache, so the compiled graphs do not specialise on that case.
-        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1)
+        lazy = {} if zeroed_caches else {"zeroed": False}
+        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1, **lazy)
         self.drafting: DraftRunner | None = None
         if speculative and drafter is not None:
             layout = SlotLayout(self.device, self.dtype, num_slots, max_model_len, block_size)
-            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device)
+            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device, zeroed_caches)
             self.drafting = DraftRunner(drafter, cache, layout, use_selector)
         self._cuda = self.device.type == "cuda"
         if tensor_parallel is not None:  # the workers build theirs alongside, compiling the same graphs
@@ -137,21 +148,57 @@ class ModelRunner:
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
+        self.compile_failures: dict[str, str] = {}  # modules left eager, and why
         modules = []
         if not enforce_eager and self.device.type in ("cpu", "cuda"):
             try:
                 modules = graphs.build_modules(self)
             except Exception as error:
                 logger.warning("no static forwards, running eagerly: %s", graphs.short_error(error))
+                self.compile_failures["all"] = graphs.short_error(error)
         self._prepack_eager()  # prefill, and any forward that does not compile, runs these
         self._target_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._tree_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        forwards = graphs.compile_modules(self, modules) if modules else {}  # warm-up reads the Nones above
+        # Modules whose graphs another process compiles (defer_compile): loaded by load_deferred_graphs.
+        self._deferred: list[tuple[str, torch.nn.Module]] = []
+        if modules and defer_compile and self.device.type == "cpu" and tensor_parallel is None:
+            self._deferred = modules
+        else:
+            self._install(graphs.compile_modules(self, modules) if modules else {})  # warm-up reads the Nones above
+        if tensor_parallel is not None:
+            tensor_parallel.wait_ready()
+
+    def _install(self, forwards: dict[str, Callable[..., Any]]) -> None:
+        """Route the verify, token-tree, drafting and context-append calls to these compiled forwards
+        (by module name; a missing one stays eager)."""
         self._target_forward, self._tree_forward = forwards.get("target"), forwards.get("tree")
         if self.drafting is not None:
             self.drafting.forward, self.drafting.context_forward = forwards.get("drafter"), forwards.get("context")
-        if tensor_parallel is not None:
-            tensor_parallel.wait_ready()
+
+    @property
+    def graphs_deferred(self) -> bool:
+        """True while the compiled forwards wait for :meth:`load_deferred_graphs` (``defer_compile``)."""
+        return bool(self._deferred)
+
+    @property
+    def deferred_settings(self) -> str:
+        """What the deferred graphs are keyed by beyond the models: ``slots=… block=…``."""
+        return f"slots={self.num_slots} block={self.block_size}"
+
+    def load_deferred_graphs(self) -> dict[str, str]:
+        """Load and warm up (on the scratch slot) the graphs another process compiled and saved for the
+        deferred modules, and route the forwards to them; never compiles. Call between engine steps,
+        never inside one: a forward's graph changes here. Live slots are not touched, so a request
+        in flight goes on through the compiled forwards with its caches as they were.
+
+        Returns:
+            The modules left eager and why (``{}`` when every graph loaded); each also logs a warning.
+        """
+        modules, self._deferred = self._deferred, []
+        if not modules:
+            return dict(self.compile_failures)
+        self._install(graphs.compile_modules(self, modules, load_only=True))
+        return dict(self.compile_failures)
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -363,10 +410,15 @@ class ModelRunner:
     # ---- slots ------------------------------------------------------------------------------------
 
     def measure_costs(
-        self, row_counts: Sequence[int], widths: Sequence[int], repeats: int = 3, context: int = 0
+        self,
+        row_counts: Sequence[int],
+        widths: Sequence[int],
+        repeats: int = 3,
+        context: int = 0,
+        interrupt: Callable[[], bool] | None = None,
     ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """The decode forwards' costs on the scratch slot (:func:`dflash2.runner.costs.measure_costs`)."""
-        return measure_costs(self, row_counts, widths, repeats, context)
+        return measure_costs(self, row_counts, widths, repeats, context, interrupt)
 
     def rollback(self, slot: int, length: int) -> None:
         """Set a slot's committed target length (O(1))."""

@@ -37,6 +37,10 @@ GAUGES = [
     "model_info",
     "num_stored_responses",
     "stored_responses_bytes",
+    "compiled",
+    "compiled_graphs",
+    "compile_seconds",
+    "compile_failed",
 ]
 HISTOGRAMS = [
     "spec_decode_draft_length",

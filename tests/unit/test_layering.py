@@ -31,6 +31,8 @@ FORBIDDEN = {
     "dflash2/runner": ("dflash2.engine", *ABOVE_THE_ENGINE),
     # Tensor parallelism's processes run the runner on the models, below the engine.
     "dflash2/parallel.py": ("dflash2.engine", *ABOVE_THE_ENGINE),
+    # The background compile worker builds a runner from the models, as an engine would, without one.
+    "dflash2/compile_worker.py": ("dflash2.engine", *ABOVE_THE_ENGINE),
     "dflash2/engine": ABOVE_THE_ENGINE,
     "dflash2/config.py": ("dflash2.models", "dflash2.engine", "dflash2.runner", *ABOVE_THE_ENGINE),
     "dflash2/outputs.py": ("dflash2.engine", "dflash2.runner", "dflash2.models", *ABOVE_THE_ENGINE),

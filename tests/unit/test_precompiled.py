@@ -120,3 +120,28 @@ def test_a_saved_graph_whose_guards_fail_is_compiled_again(caplog: pytest.LogCap
         got, expected = run(again, 3)
     assert "does not fit" in caplog.text and again.last_source == "compiled"
     torch.testing.assert_close(got, expected)
+
+
+def test_load_only_loads_a_saved_graph_and_never_compiles(graphs_dir: Path) -> None:
+    """A server whose graphs another process compiles loads them, and a shape class without a saved
+    graph raises instead of compiling on the engine thread."""
+    loader = PrecompiledForward(Block(), "block", by_rows, keep_all, load_only=True)
+    with pytest.raises(precompiled.MissingGraphError, match="no saved block graph"):
+        run(loader, 3)
+    assert not list(graphs_dir.glob("*.bin")) and loader.shape_classes == ()
+
+    run(PrecompiledForward(Block(), "block", by_rows, keep_all), 3)  # the compiling process saves it
+    got, expected = run(loader, 4)
+    assert loader.last_source == "loaded"
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(precompiled.MissingGraphError):
+        run(loader, 1)  # batch 1 was never saved
+
+
+def test_load_only_refuses_an_unreadable_file(graphs_dir: Path) -> None:
+    loader = PrecompiledForward(Block(), "block", by_rows, keep_all, load_only=True)
+    path = loader.path("rows=2+")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a graph")
+    with pytest.raises(precompiled.MissingGraphError, match="could not load"):
+        run(loader, 3)

@@ -175,6 +175,33 @@ def test_cpu_load_reads_others_from_proc_stat(tmp_path, monkeypatch):
     assert CpuLoad(str(tmp_path / "missing")).others() is None
 
 
+def test_cpu_load_counts_an_excluded_process_as_its_own(tmp_path, monkeypatch):
+    """The background compile worker runs only on idle cores: its CPU time is not a neighbour's, also
+    after it has exited (its last reading stays counted, so the load does not jump)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    stat = tmp_path / "stat"
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def write(busy: int) -> None:
+        lines = [f"cpu{i} {busy} 0 0 100 0 0 0 0 0 0" for i in cpus]
+        stat.write_text("\n".join(lines) + "\n")
+
+    worker = {"seconds": 0.0}  # the worker's CPU-seconds; None once it has exited
+    clock = iter([10.0, 11.0, 12.0, 13.0])
+    monkeypatch.setattr("dflash2.platform.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("dflash2.platform.os.times", lambda: os.times_result((5.0, 0.0, 0.0, 0.0, 0.0)))
+    monkeypatch.setattr(CpuLoad, "_process_seconds", lambda self, pid: worker["seconds"] if pid == 4242 else None)
+    write(0)
+    load = CpuLoad(str(stat))
+    load.exclude(4242)
+    worker["seconds"] = 1.0  # the worker used one core for the second, another process the rest
+    write(ticks)
+    assert load.others() == pytest.approx(len(cpus) - 1)
+    worker["seconds"] = None  # it exited
+    write(2 * ticks)
+    assert load.others() == pytest.approx(len(cpus))  # its last reading stays: no negative jump
+
+
 def test_start_up_settles_on_the_threads_that_fit_the_free_cores():
     """Compiling and timing the step costs on busy cores at every thread took minutes."""
     busy = Machine({2: 5.0, 1: 0.025}, others=1.7)
