@@ -675,90 +675,80 @@ class OutputItemEvent(StreamEvent):
     item: OutputItem
 
 
-class ContentPartEvent(StreamEvent):
+class ItemEvent(StreamEvent):
+    """Base of the events about one output item (its id and place in ``output``)."""
+
+    item_id: str
+    output_index: int
+
+
+class ContentEvent(ItemEvent):
+    """Base of the events about one content part of an item."""
+
+    content_index: int = 0
+
+
+class ContentPartEvent(ContentEvent):
     """``response.content_part.added`` / ``done`` (a message's ``output_text`` or a reasoning item's
     ``reasoning_text``)."""
 
     type: Literal["response.content_part.added", "response.content_part.done"]
-    item_id: str
-    output_index: int
-    content_index: int = 0
     part: OutputText | ReasoningText
 
 
-class ReasoningTextDeltaEvent(StreamEvent):
+class ReasoningTextDeltaEvent(ContentEvent):
     """``response.reasoning_text.delta``: more thinking text of a reasoning item."""
 
     type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ReasoningTextDoneEvent(StreamEvent):
+class ReasoningTextDoneEvent(ContentEvent):
     """``response.reasoning_text.done``: the whole thinking text of a reasoning item."""
 
     type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 
-class OutputTextDeltaEvent(StreamEvent):
+class OutputTextDeltaEvent(ContentEvent):
     """``response.output_text.delta``: more text of a message item."""
 
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputTextDoneEvent(StreamEvent):
+class OutputTextDoneEvent(ContentEvent):
     """``response.output_text.done``: the whole text of a message item."""
 
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class FunctionCallArgumentsDeltaEvent(StreamEvent):
+class FunctionCallArgumentsDeltaEvent(ItemEvent):
     """``response.function_call_arguments.delta``."""
 
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
-    item_id: str
-    output_index: int
     delta: str
 
 
-class FunctionCallArgumentsDoneEvent(StreamEvent):
+class FunctionCallArgumentsDoneEvent(ItemEvent):
     """``response.function_call_arguments.done``: the whole arguments of a call."""
 
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     arguments: str
 
 
-class CustomToolCallInputDeltaEvent(StreamEvent):
+class CustomToolCallInputDeltaEvent(ItemEvent):
     """``response.custom_tool_call_input.delta``."""
 
     type: Literal["response.custom_tool_call_input.delta"] = "response.custom_tool_call_input.delta"
-    item_id: str
-    output_index: int
     delta: str
 
 
-class CustomToolCallInputDoneEvent(StreamEvent):
+class CustomToolCallInputDoneEvent(ItemEvent):
     """``response.custom_tool_call_input.done``: the whole input of a custom tool call."""
 
     type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
-    item_id: str
-    output_index: int
     input: str

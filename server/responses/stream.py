@@ -83,7 +83,7 @@ class ResponseStream:
             self.response.output.append(item)
             events.append(self._send(self._item_event("response.output_item.added", item)))
             item.content.append(ReasoningText())
-            events.append(self._send(self._reasoning_part_event("response.content_part.added", item)))
+            events.append(self._send(self._part_event("response.content_part.added", item)))
         item.content[0].text += delta
         index = self.response.output.index(item)
         events.append(self._send(ReasoningTextDeltaEvent(item_id=item.id, output_index=index, delta=delta)))
@@ -166,16 +166,9 @@ class ResponseStream:
         index = self.response.output.index(item)
         return [
             self._send(ReasoningTextDoneEvent(item_id=item.id, output_index=index, text=item.content[0].text)),
-            self._send(self._reasoning_part_event("response.content_part.done", item)),
+            self._send(self._part_event("response.content_part.done", item)),
             self._send(self._item_event("response.output_item.done", item)),
         ]
-
-    def _reasoning_part_event(
-        self, kind: Literal["response.content_part.added", "response.content_part.done"], item: OutputReasoning
-    ) -> ContentPartEvent:
-        return ContentPartEvent(
-            type=kind, item_id=item.id, output_index=self.response.output.index(item), part=item.content[0]
-        )
 
     def _close_message(self, status: ItemStatus) -> list[ServerSentEvent]:
         message, self._message = self._message, None
@@ -195,10 +188,13 @@ class ResponseStream:
         return OutputItemEvent(type=kind, output_index=self.response.output.index(item), item=item)
 
     def _part_event(
-        self, kind: Literal["response.content_part.added", "response.content_part.done"], message: OutputMessage
+        self,
+        kind: Literal["response.content_part.added", "response.content_part.done"],
+        item: OutputMessage | OutputReasoning,
     ) -> ContentPartEvent:
+        """The content-part event of a message's ``output_text`` or a reasoning item's ``reasoning_text``."""
         return ContentPartEvent(
-            type=kind, item_id=message.id, output_index=self._message_index, part=message.content[0]
+            type=kind, item_id=item.id, output_index=self.response.output.index(item), part=item.content[0]
         )
 
     def _send(self, event: StreamEvent) -> ServerSentEvent:
