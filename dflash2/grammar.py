@@ -125,15 +125,28 @@ def json_object_grammar() -> str:
 
 
 def lark_grammar(lark: str, subgrammars: dict[str, str] | None = None) -> str:
-    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema); ``subgrammars`` are more Lark
-    grammars by name, each referenced as ``@name`` in ``lark`` and lexed on its own (its ``%ignore`` and terminals
-    stay inside it)."""
+    """An llguidance grammar from Lark text (``%json {…}`` inlines a JSON schema); ``subgrammars`` are more
+    grammars by name (Lark text, or any grammar this module builds), each referenced as ``@name`` in ``lark`` and
+    lexed on its own (its ``%ignore`` and terminals stay inside it)."""
     import llguidance
 
     if not subgrammars:
         return llguidance.LLMatcher.grammar_from_lark(lark)
-    grammars = [{"lark_grammar": lark}] + [{"name": name, "lark_grammar": g} for name, g in subgrammars.items()]
+    grammars: list[dict[str, Any]] = [{"lark_grammar": lark}]
+    for name, grammar in subgrammars.items():
+        first, *rest = _grammar_list(grammar)
+        grammars += [{**first, "name": name}, *rest]
     return json.dumps({"grammars": grammars})
+
+
+def _grammar_list(grammar: str) -> list[dict[str, Any]]:
+    """The ``grammars`` list of an llguidance grammar: its JSON form's, or one entry for Lark text (what
+    ``grammar_from_lark`` returns)."""
+    try:
+        parsed = json.loads(grammar)
+    except ValueError:
+        return [{"lark_grammar": grammar}]
+    return list(parsed["grammars"])
 
 
 class GrammarBackend:
@@ -155,7 +168,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._byte_tokens: dict[int, int] | None = None  # byte → its single-byte token
         self._by_bytes: dict[bytes, list[int]] | None = None  # a token's bytes → the tokens with those bytes
-        self._specials: list[int] | None = None  # the special tokens (a closing path may start with one)
+        self._specials: torch.Tensor | None = None  # the special tokens (a closing path may start with one)
 
     @property
     def llg_tokenizer(self) -> Any:
@@ -247,7 +260,10 @@ class GrammarBackend:
         included) to tokens that close the grammar in time, once the budget is that close; True when it did."""
         if left > MAX_CLOSING_BYTES + BUDGET_RESERVE:  # no closing path is that long: nothing to check
             return False
-        found = self.closing_path(matcher)
+        specials = self._special_tokens()
+        if specials.numel():  # only the special tokens this position's mask allows can lead the path
+            specials = specials[((row[specials // 32] >> (specials % 32)) & 1).bool()]
+        found = self.closing_path(matcher, specials.tolist())
         if found is None:  # no path found
             return False
         lead, path = found
@@ -272,17 +288,19 @@ class GrammarBackend:
         row.copy_(pack_bitmask(allowed & keep_mask))
         return True
 
-    def closing_path(self, matcher: Any) -> tuple[list[int], bytes] | None:
+    def closing_path(self, matcher: Any, specials: Sequence[int] | None = None) -> tuple[list[int], bytes] | None:
         """The closing path from the matcher's state: ``(lead, path)``, at most one special token ``lead``
         followed by the bytes of ``closing_bytes`` from the state after it, or None when none is found.
 
         A special token leads the path only where the grammar forces no bytes and allows that token, and
         the walk after it succeeds: the end token of a thinking block (``server/reasoning.py``) is the only
-        way out of the block's free text, which the byte walk alone would extend forever. The matcher is
-        left where it was.
+        way out of the block's free text, which the byte walk alone would extend forever. ``specials``: the
+        candidates to try (the masking path passes those its mask allows); None = every special token but
+        EOS. The matcher is left where it was.
         """
-        if not matcher.is_accepting() and not matcher.compute_ff_bytes():
-            for token in self._special_tokens():
+        candidates = self._special_tokens().tolist() if specials is None else specials
+        if candidates and not matcher.is_accepting() and not matcher.compute_ff_bytes():
+            for token in candidates:
                 if matcher.try_consume_tokens([token]) != 1:
                     continue
                 try:
@@ -343,15 +361,17 @@ class GrammarBackend:
             self._byte_tokens = {b: ids[0] for b, ids in singles.items() if len(ids) == 1}
         return self._byte_tokens
 
-    def _special_tokens(self) -> list[int]:
+    def _special_tokens(self) -> torch.Tensor:
+        """``[S]`` int64: the special token ids but EOS (built once)."""
         if self._specials is None:
             tokenizer = self.llg_tokenizer
             eos = set(tokenizer.eos_tokens)
-            self._specials = [
+            ids = [
                 t
                 for t in range(min(self.vocab_size, tokenizer.vocab_size))
                 if tokenizer.is_special_token(t) and t not in eos
             ]
+            self._specials = torch.tensor(ids, dtype=torch.int64)
         return self._specials
 
     def _tokens_by_bytes(self) -> dict[bytes, list[int]]:

@@ -31,9 +31,10 @@ llama.cpp's ``--reasoning-format``; grammars after the thinking block: sgl-proje
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from dflash2.grammar import lark_grammar
 
 
 class StartState(enum.Enum):
@@ -111,16 +112,11 @@ class ReasoningParser:
         """
         if grammar is None or state is StartState.AFTER:
             return grammar
-        try:
-            grammars = json.loads(grammar)["grammars"]
-        except ValueError:  # Lark text (what llguidance's grammar_from_lark returns)
-            grammars = [{"lark_grammar": grammar}]
-        body = {**grammars[0], "name": _BODY}
         block = f"THINK <[{end_id}]> BREAK"
         if state is StartState.OPTIONAL:
             block = f"(<[{start_id}]> {block})?"
         lark = f"start: {block} @{_BODY}\nTHINK: /(?s:.*)/\nBREAK: /\\n{{0,2}}/\n"
-        return json.dumps({"grammars": [{"lark_grammar": lark}, body, *grammars[1:]]})
+        return lark_grammar(lark, {_BODY: grammar})
 
 
 _BODY = "answer"
