@@ -6,6 +6,7 @@
 | ``verify.py`` | greedy and rejection-sampling acceptance of a proposal against the target (spec §6) |
 | ``adaptive.py`` | the cost model, acceptance estimates and the width / source choice per step |
 | ``prompt_lookup.py`` | n-gram continuations from a request's own tokens (drafts without a drafter) |
+| ``suffix.py`` | n-gram continuations from recent finished requests' outputs (drafts across requests) |
 
 Nothing here imports the engine, the runner or the server; the engine's policy and executor call in.
 """
