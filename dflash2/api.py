@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash2.config import EngineConfig
@@ -93,6 +93,7 @@ class Completion:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
     def add(self, output: RequestOutput) -> None:
@@ -111,6 +112,7 @@ class Completion:
         self.num_verify_steps = output.num_verify_steps
         self.num_draft_tokens = output.num_draft_tokens
         self.num_accepted_tokens = output.num_accepted_tokens
+        self.accepted_by_source = dict(output.accepted_by_source)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -20,6 +20,8 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DRAFT_QUANTIZATION_CHOICES = ("none", "int8", "int4")
 DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
 DEFAULT_PROMPT_LOOKUP_MIN = 2  # the shortest, when prompt_lookup_min is None
+DEFAULT_SUFFIX_MAX_CACHED_REQUESTS = 256  # earlier outputs suffix decoding keeps, when not given
+DEFAULT_SUFFIX_MAX_CACHED_TOKENS = 65_536  # and the most tokens they hold in all (~40 MB of index)
 # The longest n-gram either bound may name: each request indexes (max − min + 1) n-grams of up to max
 # tokens per token of its context, so memory grows with the context length times max².
 MAX_PROMPT_LOOKUP_N = 16
@@ -72,6 +74,16 @@ class EngineConfig:
             4 … 2 where the engine speculates adaptively, else off. ``prompt_lookup_max`` 0: off;
             either bound given: on, and an error where it cannot run; ``prompt_lookup_min`` alone
             raises the maximum to at least itself. Each is at most ``MAX_PROMPT_LOOKUP_N`` (16).
+        grammar_forced_drafts: where a request's grammar forces the next tokens (the rest of a JSON key,
+            a tool call's markers), verify them as drafts (``dflash2.grammar.walk_drafts``): accepted
+            whenever the target agrees, at no drafter cost. Speculative engines only.
+        suffix_decoding_max_cached_requests, suffix_decoding_max_cached_tokens: drafts from earlier
+            outputs (suffix decoding, ``dflash2/spec/suffix.py``; vLLM's ``suffix_decoding_max_cached_requests``):
+            the outputs of the most recent finished requests, at most this many and this many tokens
+            in all, from which any row's last tokens retrieve a continuation, priced beside prompt lookup
+            by the adaptive policy. None (the default): ``DEFAULT_SUFFIX_MAX_CACHED_REQUESTS`` where the
+            engine speculates adaptively, else off; 0: off; a positive count where the engine does not
+            speculate adaptively is an error.
         speculative_topk: branching of the token tree a drafted step verifies (SGLang's
             ``--speculative-eagle-topk``; ``dflash2/spec/tree.py``): the beam keeps this many paths
             per depth through the selector lattice. 1 (the default): one path, the chain.
@@ -113,6 +125,9 @@ class EngineConfig:
     speculative_adaptive: bool = True
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    grammar_forced_drafts: bool = True
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_cached_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS
     speculative_topk: int = 1
     speculative_num_draft_tokens: int | None = None
     deterministic: bool = False
@@ -126,6 +141,7 @@ class EngineConfig:
         if self.speculative_draft_vocab_size is not None and self.speculative_draft_vocab_size < 1:
             raise ValueError("speculative_draft_vocab_size (--speculative-draft-vocab-size) must be at least 1")
         self._check_prompt_lookup()
+        self._check_suffix_decoding()
         if not 1 <= self.speculative_topk <= MAX_SPECULATIVE_TOPK:
             raise ValueError(f"speculative_topk (--speculative-topk) must be 1 … {MAX_SPECULATIVE_TOPK}")
         if self.speculative_num_draft_tokens is not None and not 1 <= self.speculative_num_draft_tokens <= 256:
@@ -190,6 +206,28 @@ class EngineConfig:
                 "decodes without one (drop the prompt lookup flags)"
             )
 
+    def _check_suffix_decoding(self) -> None:
+        requests, tokens = self.suffix_decoding_max_cached_requests, self.suffix_decoding_max_cached_tokens
+        if requests is not None and requests < 0:
+            raise ValueError(
+                "suffix_decoding_max_cached_requests (--suffix-decoding-max-cached-requests) must be 0 (off) or more"
+            )
+        if tokens < 1:
+            raise ValueError(
+                "suffix_decoding_max_cached_tokens (--suffix-decoding-max-cached-tokens) must be at least 1"
+            )
+        if requests and not self.speculative_adaptive:
+            raise ValueError(
+                "suffix decoding (--suffix-decoding-max-cached-requests) needs adaptive speculation: the policy "
+                "chooses between its drafts and the drafter from measured step costs (drop "
+                "--no-speculative-adaptive or set --suffix-decoding-max-cached-requests 0)"
+            )
+        if requests and self.block_size == 1:
+            raise ValueError(
+                "suffix decoding (--suffix-decoding-max-cached-requests) runs beside a drafter: block size 1 "
+                "decodes without one (set --suffix-decoding-max-cached-requests 0)"
+            )
+
     @property
     def prompt_lookup_requested(self) -> bool:
         """True when a prompt lookup flag asks for lookup explicitly (an error where it cannot run)."""
@@ -228,6 +266,9 @@ class EngineSpec:
             ``config.speculative_adaptive``).
         prompt_lookup_max, prompt_lookup_min: the longest and shortest n-gram prompt lookup matches
             (``prompt_lookup_max`` 0: off).
+        grammar_forced_drafts: grammar-forced tokens are verified as drafts (speculative engines).
+        suffix_max_requests, suffix_max_tokens: the bounds of the earlier-output index (suffix decoding;
+            ``suffix_max_requests`` 0: off).
         max_num_seqs: KV slots (rows decoded together).
         max_model_len: positions per KV slot (longest prompt + output).
         device: where the weights and caches live.
@@ -248,6 +289,9 @@ class EngineSpec:
     vocab_size: int
     tree_topk: int = 1
     tree_nodes: int = 0
+    grammar_forced_drafts: bool = False
+    suffix_max_requests: int = 0
+    suffix_max_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS
 
     @property
     def tree(self) -> bool:
@@ -280,6 +324,14 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
             "prompt lookup (--prompt-lookup-max/--prompt-lookup-min) runs beside a drafter: this engine does "
             "not speculate (block size 1 or no drafter); drop the prompt lookup flags"
         )
+    if config.suffix_decoding_max_cached_requests and not adaptive:
+        raise ValueError(
+            "suffix decoding (--suffix-decoding-max-cached-requests) runs beside a drafter: this engine does not "
+            "speculate (block size 1 or no drafter); set --suffix-decoding-max-cached-requests 0"
+        )
+    suffix_requests = config.suffix_decoding_max_cached_requests
+    if suffix_requests is None:
+        suffix_requests = DEFAULT_SUFFIX_MAX_CACHED_REQUESTS
     longest, shortest = config.prompt_lookup_bounds
     device = embed_weight.device
     tree_topk, tree_nodes = _tree(config, target, drafter, block_size)
@@ -297,6 +349,9 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
         vocab_size=int(getattr(target, "vocab_size", embed_weight.shape[0])),
         tree_topk=tree_topk,
         tree_nodes=tree_nodes,
+        grammar_forced_drafts=speculative and config.grammar_forced_drafts,
+        suffix_max_requests=suffix_requests if adaptive else 0,
+        suffix_max_tokens=config.suffix_decoding_max_cached_tokens,
     )
 
 

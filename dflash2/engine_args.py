@@ -15,6 +15,8 @@ from typing import Any
 from dflash2.config import (
     DEFAULT_PROMPT_LOOKUP_MAX,
     DEFAULT_PROMPT_LOOKUP_MIN,
+    DEFAULT_SUFFIX_MAX_CACHED_REQUESTS,
+    DEFAULT_SUFFIX_MAX_CACHED_TOKENS,
     DRAFT_QUANTIZATION_CHOICES,
     DTYPES,
     MAX_PROMPT_LOOKUP_N,
@@ -55,6 +57,9 @@ _DRAFTER_FLAGS = (
     "speculative_topk",
     "prompt_lookup_max",
     "prompt_lookup_min",
+    "grammar_forced_drafts",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_cached_tokens",
 )
 UNUSED_ENGINE_FLAGS = {
     "data": (*_DRAFTER_FLAGS, "seed", "enable_prefix_caching", "speculative_adaptive"),
@@ -67,6 +72,9 @@ UNUSED_ENGINE_FLAGS = {
         "max_model_len",
         "prompt_lookup_max",
         "prompt_lookup_min",
+        "grammar_forced_drafts",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_cached_tokens",
         "quantization",
         "speculative_draft_quantization",
         *_DECODING_FLAGS,
@@ -197,6 +205,30 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         metavar="N",
         help=f"the shortest n-gram prompt lookup matches (default: {DEFAULT_PROMPT_LOOKUP_MIN}; "
         f"alone, it raises --prompt-lookup-max to at least N)",
+    )
+    g.add_argument(
+        "--grammar-forced-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.grammar_forced_drafts,
+        help="where a request's grammar (tools, response_format) forces the next tokens, verify them as drafts "
+        "at no drafter cost (default: on)",
+    )
+    g.add_argument(
+        "--suffix-decoding-max-cached-requests",
+        type=int,
+        default=_DEFAULTS.suffix_decoding_max_cached_requests,
+        metavar="N",
+        help="drafts from earlier outputs: keep the outputs of the last N finished requests, from which any "
+        "request's last tokens retrieve a continuation, priced beside prompt lookup by the adaptive policy "
+        f"(default: {DEFAULT_SUFFIX_MAX_CACHED_REQUESTS} with adaptive speculation, else off; 0: off)",
+    )
+    g.add_argument(
+        "--suffix-decoding-max-cached-tokens",
+        type=int,
+        default=_DEFAULTS.suffix_decoding_max_cached_tokens,
+        metavar="N",
+        help="the most tokens the earlier-output index holds in all, oldest outputs dropped first "
+        f"(default: {DEFAULT_SUFFIX_MAX_CACHED_TOKENS})",
     )
     g.add_argument(
         "--deterministic",

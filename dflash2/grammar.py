@@ -46,6 +46,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -383,6 +384,107 @@ class GrammarBackend:
                     by_bytes.setdefault(tokenizer.decode_bytes([token]), []).append(token)
             self._by_bytes = by_bytes
         return self._by_bytes
+
+
+@dataclass
+class WalkedDrafts:
+    """One row's drafts after the grammar walk (:func:`walk_drafts`).
+
+    Attributes:
+        token_ids: the drafts, in order.
+        forced: per draft, True where the grammar forced it (the state admitted exactly this
+            continuation; llguidance's canonical tokenization of the forced bytes).
+        replaced: per draft, True where the token is not the proposal's own draft at that position
+            (forced, or a greedy row's best allowed candidate); its proposal distribution is then
+            one-hot on the token.
+    """
+
+    token_ids: list[int]
+    forced: list[bool]
+    replaced: list[bool]
+
+
+def walk_drafts(
+    matcher: Any,
+    drafts: Sequence[int],
+    candidates: Sequence[Sequence[int]] | None,
+    limit: int,
+    greedy: bool,
+) -> WalkedDrafts:
+    """A row's drafts with the tokens its grammar forces filled in: grammar-forced drafts.
+
+    From the matcher's committed state, position by position up to ``limit`` drafts: where the grammar
+    forces a continuation (``LLMatcher.compute_ff_tokens``), its tokens are the drafts; elsewhere the
+    proposal's draft at that position (the drafter's, prompt lookup's or an earlier output's). A greedy
+    row whose proposed draft the grammar forbids takes its best allowed candidate at that position
+    instead (any draft is lossless for a greedy row); a sampled row keeps it (it is rejected, and the
+    residual sample keeps the output exact) and the walk ends there. The walk also ends where the
+    grammar forces nothing and the proposal has no draft.
+
+    Lossless: whether a position is forced depends only on the drafts before it, which are the accepted
+    tokens whenever that position is verified; a forced draft is a deterministic proposal (one-hot), and a
+    kept draft keeps the proposal's own distribution. Where the forced bytes have several tokenizations
+    the canonical one is just a draft: rejection sampling accepts it with the target's masked probability.
+    Peers: SGLang's jump-forward decoding (forced strings skipped); ToolSpec (arXiv 2604.13519) verifies
+    schema-forced tokens as drafts.
+
+    Args:
+        matcher: the row's ``LLMatcher`` at its committed state (left there: the walk rolls back).
+        drafts: the proposal's drafts, position by position (may be shorter than ``limit``).
+        candidates: per proposed position, the proposal's candidates best first (a greedy row's
+            alternatives); None: none.
+        limit: the most drafts (the row's verify budget, ≤ B − 1).
+        greedy: the row decodes greedily.
+
+    Returns:
+        The walked drafts (at most ``limit``).
+    """
+    walked = WalkedDrafts([], [], [])
+    consumed = 0
+    try:
+        while len(walked.token_ids) < limit and not matcher.is_stopped():
+            forced = matcher.compute_ff_tokens()
+            if forced:
+                for token in forced[: limit - len(walked.token_ids)]:
+                    if not matcher.consume_token(token):
+                        return walked
+                    consumed += 1
+                    j = len(walked.token_ids)
+                    walked.token_ids.append(int(token))
+                    walked.forced.append(True)
+                    walked.replaced.append(j >= len(drafts) or int(drafts[j]) != token)
+                continue
+            j = len(walked.token_ids)
+            if j >= len(drafts):
+                return walked
+            options = [int(drafts[j])]
+            if greedy and candidates is not None and j < len(candidates):
+                options += [int(c) for c in candidates[j] if int(c) != options[0]]
+            for token in options:
+                if matcher.try_consume_tokens([token]) == 1:
+                    consumed += 1
+                    walked.token_ids.append(token)
+                    walked.forced.append(False)
+                    walked.replaced.append(token != options[0])
+                    break
+            else:
+                if not greedy:  # kept: it is rejected, and the residual sample keeps the output exact
+                    walked.token_ids.append(options[0])
+                    walked.forced.append(False)
+                    walked.replaced.append(False)
+                return walked
+        return walked
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
+
+
+def forced_tokens(matcher: Any, limit: int) -> list[int]:
+    """The tokens the grammar forces from the matcher's state, at most ``limit`` (``[]`` when it forces
+    none or has ended)."""
+    if limit <= 0 or matcher.is_stopped():
+        return []
+    return [int(t) for t in matcher.compute_ff_tokens()[:limit]]
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:

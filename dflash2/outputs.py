@@ -23,6 +23,10 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+# Where a verified draft can come from (dflash2.engine.policy.DraftSource): the labels of the per-source counts.
+DRAFT_SOURCE_NAMES = ("drafter", "lookup", "suffix", "grammar")
+
+
 @dataclass
 class TokenLogprob:
     """Log-probability of one emitted token under the target, with the top alternatives.
@@ -52,6 +56,9 @@ class RequestOutput:
         num_prompt_tokens, num_output_tokens: cumulative token counts.
         num_draft_tokens, num_accepted_tokens, num_verify_steps: cumulative speculative stats.
         num_cached_tokens: prompt tokens served from the prefix cache (not recomputed).
+        accepted_by_source: committed accepted drafts so far by where they came from: ``drafter``,
+            ``lookup`` (the request's own tokens), ``suffix`` (earlier outputs), ``grammar`` (forced by its
+            grammar); sources that contributed none are absent.
     """
 
     request_id: str
@@ -68,6 +75,7 @@ class RequestOutput:
     num_verify_steps: int
     error: str | None = None
     num_cached_tokens: int = 0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -93,6 +101,8 @@ class StepStats:
         num_accepted_tokens: accepted drafted tokens that were committed.
         accepted_per_position: length B−1; count of committed acceptances at each draft slot.
         drafted_per_position: length B−1; count of drafts verified at each draft slot.
+        drafted_by_source, accepted_by_source: verified drafts and committed accepted drafts by where they
+            came from (``drafter``, ``lookup``, ``suffix``, ``grammar``).
         acceptance_lengths: per row, tokens committed by its verify step (bonus included).
         num_generated_tokens: all tokens committed this step (prefill first tokens included).
         draft_time, select_time, verify_time, total_time: seconds.
@@ -122,6 +132,8 @@ class StepStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     acceptance_lengths: list[int] = field(default_factory=list)
     num_generated_tokens: int = 0
     draft_time: float = 0.0

@@ -100,9 +100,14 @@ def spec_decode_info(states: Sequence[ChoiceState]) -> SpecDecodeInfo:
     drafted = sum(s.last.num_draft_tokens for s in states if s.last)
     accepted = sum(s.last.num_accepted_tokens for s in states if s.last)
     steps = sum(s.last.num_verify_steps for s in states if s.last)
+    by_source: dict[str, int] = {}
+    for state in states:
+        for source, count in (state.last.accepted_by_source if state.last else {}).items():
+            by_source[source] = by_source.get(source, 0) + count
     return SpecDecodeInfo(
         draft_tokens=drafted,
         accepted_tokens=accepted,
         verify_steps=steps,
         mean_acceptance_length=mean_acceptance_length(accepted, steps),
+        accepted_tokens_by_source=by_source,
     )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from dflash2.outputs import StepStats
+from dflash2.outputs import DRAFT_SOURCE_NAMES, StepStats
 from server.responses.store import EVICTION_REASONS
 
 if TYPE_CHECKING:
@@ -110,6 +110,14 @@ def metric_specs(block_size: int, max_model_len: int | None = None) -> tuple[Met
         MetricSpec("spec_decode_num_accepted_tokens", "counter",
                    "Accepted drafted tokens that were committed (bonus tokens not counted; a stop inside a block "
                    "truncates the count).", vllm_names=("spec_decode_num_accepted_tokens",)),
+        MetricSpec("spec_decode_num_draft_tokens_by_source", "counter",
+                   "Drafted tokens sent to verification, by where they came from: drafter, lookup (the request's "
+                   "own tokens), suffix (earlier requests' outputs), grammar (forced by the request's grammar); "
+                   "sums to spec_decode_num_draft_tokens.", labels=("source",)),
+        MetricSpec("spec_decode_num_accepted_tokens_by_source", "counter",
+                   "Accepted drafted tokens that were committed, by where they came from (the sources of "
+                   "spec_decode_num_draft_tokens_by_source); sums to spec_decode_num_accepted_tokens.",
+                   labels=("source",)),
         MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter",
                    "Committed acceptances per draft position: position i counts only when drafts 0..i were all "
                    "accepted.", labels=("position",), vllm_names=("spec_decode_num_accepted_tokens_per_pos",)),
@@ -284,6 +292,9 @@ class Metrics:
                 self.families[spec.name].children()
         for position in range(block_size - 1):
             self.families["spec_decode_num_accepted_tokens_per_pos"].children(position=str(position))
+        for source in DRAFT_SOURCE_NAMES:
+            self.families["spec_decode_num_draft_tokens_by_source"].children(source=source)
+            self.families["spec_decode_num_accepted_tokens_by_source"].children(source=source)
         for reason in FINISH_REASONS:
             self.families["request_success"].children(finished_reason=reason)
         for reason in EVICTION_REASONS:
@@ -314,6 +325,10 @@ class Metrics:
         f["spec_decode_num_accepted_tokens"].inc(stats.num_accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):
             f["spec_decode_num_accepted_tokens_per_pos"].inc(count, position=str(position))
+        for source, count in stats.drafted_by_source.items():
+            f["spec_decode_num_draft_tokens_by_source"].inc(count, source=source)
+        for source, count in stats.accepted_by_source.items():
+            f["spec_decode_num_accepted_tokens_by_source"].inc(count, source=source)
         for length in stats.acceptance_lengths:
             f["acceptance_length"].observe(length)
         for drafts in stats.draft_lengths if stats.block_size > 1 else ():

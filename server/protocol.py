@@ -611,13 +611,16 @@ class SpecDecodeInfo(BaseModel):
     """Speculative-decoding statistics of one request (the ``dflash2`` extension object).
 
     ``mean_acceptance_length`` = (accepted_tokens + verify_steps) / verify_steps: committed tokens
-    per verify step, bonus token included (0 before the first verify step).
+    per verify step, bonus token included (0 before the first verify step). ``accepted_tokens_by_source``
+    splits ``accepted_tokens`` by where the drafts came from: ``drafter``, ``lookup`` (the request's own
+    tokens), ``suffix`` (earlier requests' outputs), ``grammar`` (forced by the request's grammar).
     """
 
     draft_tokens: int
     accepted_tokens: int
     verify_steps: int
     mean_acceptance_length: float
+    accepted_tokens_by_source: dict[str, int] = Field(default_factory=dict)
 
 
 class TopLogprob(BaseModel):

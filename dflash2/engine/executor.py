@@ -18,7 +18,7 @@ from dflash2.engine.policy import DraftSource, Plan
 from dflash2.engine.prefix_cache import common_prefix_length
 from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of
-from dflash2.grammar import GrammarBackend
+from dflash2.grammar import GrammarBackend, walk_drafts
 from dflash2.runner import Drafted, ModelRunner
 from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
 from dflash2.spec.selector import Proposal
@@ -57,6 +57,10 @@ class Verified:
         branch_accepted: per row of a tree step with a prompt-lookup branch, ``(drafts, accepted)``: how
             many of the branch's drafts the tree held (a branch is cut where the slot ends) and how many
             of them were accepted (None for a row without one); None without branches.
+        num_drafts: per row, the drafts it verified (the plan's, as the grammar walk left them); None: the
+            plan's.
+        forced: per row of a chain step with grammar-forced drafts, per draft: True where the grammar
+            forced it; None when no row had any.
     """
 
     plan: Plan
@@ -75,6 +79,13 @@ class Verified:
     spine_accepted: list[int] | None = None
     tree_accepted: list[int] | None = None
     branch_accepted: list[tuple[int, int] | None] | None = None
+    num_drafts: list[int] | None = None
+    forced: list[list[bool]] | None = None
+
+    @property
+    def drafts_per_row(self) -> list[int]:
+        """Per row, the drafts it verified."""
+        return self.plan.num_drafts if self.num_drafts is None else self.num_drafts
 
 
 class StepExecutor:
@@ -133,16 +144,21 @@ class StepExecutor:
         else:
             proposal = self._no_proposal(len(rows))
         start = time.perf_counter()
-        width = plan.verify_width - 1  # rows near their limits verify shorter blocks
+        num_drafts, forced = list(plan.num_drafts), None
+        grammar_seconds = 0.0
+        if self.spec.grammar_forced_drafts and any(r.matcher is not None for r in rows):
+            proposal, num_drafts, forced = self._walk_grammar(rows, proposal, num_drafts)
+            grammar_seconds = time.perf_counter() - start
+        width = max(num_drafts)  # rows near their limits verify shorter blocks
         draft_lists = proposal.draft_ids[:, :width].tolist()
-        tokens = [[r.output_ids[-1], *draft_lists[i][: plan.num_drafts[i]]] for i, r in enumerate(rows)]
+        tokens = [[r.output_ids[-1], *draft_lists[i][: num_drafts[i]]] for i, r in enumerate(rows)]
         starts = [r.num_cached for r in rows]
         logits, features = self.runner.verify([slot_of(r) for r in rows], tokens, starts)
-        allowed, grammar_seconds = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1)
+        allowed, mask_seconds = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1)
         greedy = all(r.params.is_greedy for r in rows)
         uniforms = None if greedy else self._step_uniforms(rows, self.spec.block_size)
         num_accepted, next_ids = accept_block(
-            logits, self._logits_context(rows), proposal, plan.num_drafts, allowed, uniforms
+            logits, self._logits_context(rows), proposal, num_drafts, allowed, uniforms
         )
         return Verified(
             plan,
@@ -156,8 +172,41 @@ class StepExecutor:
             select_seconds,
             select_in_draft,
             time.perf_counter() - start,
-            grammar_seconds,
+            grammar_seconds + mask_seconds,
+            num_drafts=num_drafts,
+            forced=forced,
         )
+
+    def _walk_grammar(
+        self, rows: list[Request], proposal: Proposal, num_drafts: list[int]
+    ) -> tuple[Proposal, list[int], list[list[bool]]]:
+        """Grammar-forced drafts (``dflash2.grammar.walk_drafts``): each row with a grammar walks its
+        proposal from its committed state, the tokens its grammar forces filled in, up to its planned
+        drafts; returns the proposal as walked (forced and replaced drafts one-hot), the drafts each row
+        verifies and, per row and draft, whether the grammar forced it."""
+        drafts, candidates = proposal.draft_ids.tolist(), proposal.candidate_ids.tolist()
+        walks = [
+            walk_drafts(r.matcher, drafts[i][: num_drafts[i]], candidates[i], num_drafts[i], r.params.is_greedy)
+            if r.matcher is not None
+            else None
+            for i, r in enumerate(rows)
+        ]
+        counts = [n if walk is None else len(walk.token_ids) for walk, n in zip(walks, num_drafts)]
+        width = max(counts)
+        draft_ids = _padded(proposal.draft_ids, width)
+        candidate_ids = _padded(proposal.candidate_ids, width)
+        draft_probs = _padded(proposal.draft_probs, width)
+        for i, walk in enumerate(walks):
+            if walk is None:
+                continue
+            for j, (token, replaced) in enumerate(zip(walk.token_ids, walk.replaced)):
+                draft_ids[i, j] = token
+                if replaced:  # a draft chosen without a distribution: one-hot
+                    candidate_ids[i, j] = token
+                    draft_probs[i, j] = 0.0
+                    draft_probs[i, j, 0] = 1.0
+        forced = [[False] * n if walk is None else walk.forced for walk, n in zip(walks, counts)]
+        return Proposal(draft_ids, candidate_ids, draft_probs), counts, forced
 
     def _decode_tree(self, rows: list[Request], plan: Plan) -> Verified:
         """A drafted step over token trees (``dflash2/spec/tree.py``): the drafter's block and the lattice,
@@ -287,6 +336,14 @@ class StepExecutor:
         if all(r.params.is_greedy for r in rows):
             return torch.zeros(len(rows), n, device=self.spec.device)
         return torch.stack([_uniforms(r, n) for r in rows]).to(self.spec.device)
+
+
+def _padded(values: torch.Tensor, width: int) -> torch.Tensor:
+    """A copy of ``values [R, J, …]`` with exactly ``width`` slots: cut, or padded with zeros."""
+    if values.shape[1] >= width:
+        return values[:, :width].clone()
+    pad = values.new_zeros(values.shape[0], width - values.shape[1], *values.shape[2:])
+    return torch.cat([values, pad], dim=1)
 
 
 def _uniforms(request: Request, n: int) -> torch.Tensor:

@@ -363,6 +363,9 @@ class Engine:
         if rows:
             decode = lambda rows: self.executor.decode(rows, self.policy.plan(rows))  # noqa: E731
             outputs += self._isolated(rows, decode, self.postprocess.decode, stats)
+        for request in self.scheduler.running:  # a finished output joins the earlier-output index
+            if request.is_finished and request.finish_reason is not FinishReason.ABORT:
+                self.policy.finish(request)
         self.slots.release_finished()
         stats.total_time = time.perf_counter() - start
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting

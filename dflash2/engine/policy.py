@@ -14,6 +14,7 @@ import torch
 
 from dflash2.config import EngineSpec
 from dflash2.engine.request import Request
+from dflash2.grammar import forced_tokens
 from dflash2.runner import ModelRunner
 from dflash2.runner.costs import TimingInterrupted, measure_tree_costs
 from dflash2.spec.adaptive import (
@@ -27,12 +28,15 @@ from dflash2.spec.adaptive import (
 )
 from dflash2.spec.prompt_lookup import PromptLookup
 from dflash2.spec.selector import Proposal
+from dflash2.spec.suffix import SuffixIndex
 
 logger = logging.getLogger(__name__)
 
 # Tokens of context each row has when the adaptive policy's step costs are timed at start-up: a chat
 # request's prompt and some answer, so attention's share of the cost is not that of an empty cache.
 COST_CONTEXT = 256
+# The n-grams (longest … shortest) that find a row's last tokens among earlier outputs (suffix decoding).
+SUFFIX_MAX_N, SUFFIX_MIN_N = 6, 2
 
 
 class DraftSource(enum.Enum):
@@ -40,7 +44,32 @@ class DraftSource(enum.Enum):
 
     DRAFTER = "drafter"  # one drafter forward over the rows' blocks, then the selector's walk
     LOOKUP = "lookup"  # copied from each row's own earlier tokens (no drafter forward)
+    SUFFIX = "suffix"  # copied from earlier requests' outputs (no drafter forward; dflash2/spec/suffix.py)
+    GRAMMAR = "grammar"  # forced by the row's grammar (dflash2.grammar.walk_drafts)
     NONE = "none"  # an autoregressive step (block size 1, or the policy chose width 1)
+
+
+# Where a step's drafts come from, per draft: the sources a drafted token is counted under.
+DRAFT_SOURCES = (DraftSource.DRAFTER, DraftSource.LOOKUP, DraftSource.SUFFIX, DraftSource.GRAMMAR)
+# The acceptance the policy expects of a grammar-forced draft: the target's masked distribution puts all
+# of its mass on the forced bytes, though it may spell them with other tokens than the canonical ones.
+FORCED_ACCEPTANCE = 0.98
+
+
+@dataclass
+class FreeDrafts:
+    """Per row, the drafts that cost no drafter forward (:meth:`SpeculationPolicy.plan`).
+
+    Attributes:
+        drafts: per row, its grammar-forced tokens then its lookup or earlier-output continuation (``[]``:
+            none).
+        sources: per row, where the continuation comes from (GRAMMAR where there is only the forced part).
+        num_forced: per row, how many of its drafts the grammar forced.
+    """
+
+    drafts: list[list[int]]
+    sources: list[DraftSource]
+    num_forced: list[int]
 
 
 @dataclass(frozen=True)
@@ -48,7 +77,9 @@ class Plan:
     """One decode step's speculation, decided before any forward.
 
     Attributes:
-        source: where the drafts come from.
+        source: where the drafts come from: the drafter, none, or LOOKUP for a step without a drafter
+            forward whose rows verify free drafts (prompt lookup, earlier outputs, grammar-forced tokens;
+            ``row_sources`` says which per row).
         width: W, tokens per row of the drafted block (anchor included; the drafter's block width).
         num_drafts: per row, the drafts it verifies (≤ W − 1; fewer near ``max_tokens`` or the slot's end).
         predicted_tokens: tokens the adaptive policy expects the rows to commit (0 without the policy).
@@ -57,6 +88,9 @@ class Plan:
             ``EngineSpec.tree_budget(width)`` nodes per row, ``num_drafts`` deep, rather than chains.
         branches: for a tree step with prompt lookup on, each row's lookup draft (≤ its ``num_drafts``;
             empty: none), verified as one more branch of the row's tree; None otherwise.
+        row_sources: per row, where its free drafts come from (a LOOKUP step's drafts, a tree step's
+            branch): LOOKUP, SUFFIX, or GRAMMAR for a row whose drafts are only forced tokens; None otherwise.
+            The grammar's forced tokens inside any row's drafts are marked by the executor's walk.
     """
 
     source: DraftSource
@@ -66,6 +100,7 @@ class Plan:
     lookup: Proposal | None = None
     tree: bool = False
     branches: list[list[int]] | None = None
+    row_sources: list[DraftSource] | None = None
 
     @property
     def verify_width(self) -> int:
@@ -101,6 +136,13 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceTracker(spec.block_size - 1)
         self.tree_acceptance = AcceptanceTracker(spec.block_size - 1, prior=TREE_PRIOR_ACCEPTANCE)
         self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
+        self.suffix_acceptance = AcceptanceTracker(spec.block_size - 1)
+        # Drafts from earlier outputs: finished requests' outputs, bounded (dflash2/spec/suffix.py).
+        self.suffix_index = (
+            SuffixIndex(SUFFIX_MIN_N, SUFFIX_MAX_N, spec.suffix_max_requests, spec.suffix_max_tokens)
+            if spec.suffix_max_requests
+            else None
+        )
 
     def retime(self, runner: ModelRunner, interrupt: Callable[[], bool] | None = None) -> bool:
         """Time the step costs again (the forwards changed: compiled graphs came into use) and start a
@@ -164,6 +206,14 @@ class SpeculationPolicy:
         if self.spec.prompt_lookup_max:
             request.lookup = PromptLookup(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, request.prompt_ids)
             request.lookup_acceptance = AcceptanceEstimate(list(self.lookup_acceptance.values))
+        if self.suffix_index is not None:
+            request.suffix_acceptance = AcceptanceEstimate(list(self.suffix_acceptance.values))
+
+    def finish(self, request: Request) -> None:
+        """A request ended: its output joins the earlier-output index (suffix decoding on), after the last
+        tokens of its prompt, so that a later request's context before the same output finds it."""
+        if self.suffix_index is not None and request.output_ids:
+            self.suffix_index.add(request.prompt_ids[-SUFFIX_MAX_N:], request.output_ids)
 
     # ---- before the step ---------------------------------------------------------------------
 
@@ -177,38 +227,66 @@ class SpeculationPolicy:
         takes whichever predicts the most tokens per second."""
         limits = self.num_drafts(rows)
         trees = self.spec.tree and tree_rows(rows)
-        choice = self._choose_width(rows, limits)
+        forced = self._forced(rows, limits)
+        choice = self._choose_width(rows, limits, forced)
         if choice is None:  # no adaptive policy: the full block from the drafter (none at block size 1)
             source = DraftSource.DRAFTER if self.spec.speculative else DraftSource.NONE
             width = self.spec.block_size
-            return Plan(source, width, [min(n, width - 1) for n in limits], tree=trees)
-        drafts = self._lookup_drafts(rows, limits)
-        tree = self._choose_tree(rows, limits, choice, drafts) if trees else None
+            return Plan(source, width, self._drafter_limits(rows, limits, width), tree=trees)
+        free = self._free_drafts(rows, limits, forced)
+        tree = self._choose_tree(rows, limits, choice, free) if trees else None
         if tree is not None:
             choice = tree
-        lookup = self._lookup_plan(rows, limits, choice, drafts) if drafts is not None else None
+        lookup = self._lookup_plan(rows, limits, choice, free) if free is not None else None
         if lookup is not None:
             return lookup
         source = DraftSource.DRAFTER if choice.width > 1 else DraftSource.NONE
-        num_drafts = [min(n, choice.width - 1) for n in limits]
         if tree is None:
+            num_drafts = self._drafter_limits(rows, limits, choice.width)
+            if source is DraftSource.NONE and any(forced):  # the forced tokens alone, with no drafter forward
+                runs = FreeDrafts(forced, [DraftSource.GRAMMAR] * len(rows), [len(f) for f in forced])
+                plan = self._lookup_plan(rows, [len(f) for f in forced], choice, runs)
+                if plan is not None:
+                    return plan
             return Plan(source, choice.width, num_drafts, choice.predicted_tokens)
+        num_drafts = [min(n, choice.width - 1) for n in limits]
         # The lookup drafts ride along as a branch of each row's tree: no drafter forward for them, a few
         # more nodes in the same verify.
-        branches = None if drafts is None else [d[:n] for d, n in zip(drafts, num_drafts)]
-        return Plan(source, choice.width, num_drafts, choice.predicted_tokens, tree=True, branches=branches)
+        assert free is None or not any(forced)  # a grammar row verifies chains
+        branches = None if free is None else [d[:n] for d, n in zip(free.drafts, num_drafts)]
+        sources = None if free is None else free.sources
+        return Plan(
+            source, choice.width, num_drafts, choice.predicted_tokens, tree=True, branches=branches, row_sources=sources
+        )
+
+    def _forced(self, rows: list[Request], limits: list[int]) -> list[list[int]]:
+        """Per row, the tokens its grammar forces next (at most its limit; ``[]`` without a grammar or with
+        grammar-forced drafts off)."""
+        if not self.spec.grammar_forced_drafts:
+            return [[] for _ in rows]
+        return [forced_tokens(r.matcher, n) if r.matcher is not None else [] for r, n in zip(rows, limits)]
+
+    def _drafter_limits(self, rows: list[Request], limits: list[int], width: int) -> list[int]:
+        """Drafts per row of a drafter step of ``width``: its W − 1, and up to the row's limit for a row with
+        a grammar (grammar-forced drafts on), whose walk may go on past the drafter's block with forced
+        tokens (``dflash2.grammar.walk_drafts``; the verify is as wide as the walks turn out)."""
+        if width == 1:
+            return [0] * len(rows)
+        grammar = self.spec.grammar_forced_drafts
+        return [n if grammar and r.matcher is not None else min(n, width - 1) for r, n in zip(rows, limits)]
 
     def num_drafts(self, rows: list[Request]) -> list[int]:
         """Drafts each row may verify: never past ``max_tokens`` or the end of its KV slot."""
         limit, length = self.spec.block_size - 1, self.spec.max_model_len
         return [max(0, min(limit, r.remaining_tokens - 1, length - r.num_cached - 1)) for r in rows]
 
-    def _choose_width(self, rows: list[Request], limits: list[int]) -> WidthChoice | None:
-        """The adaptive policy's choice of the verify width with the drafter; None without the policy."""
+    def _choose_width(self, rows: list[Request], limits: list[int], forced: list[list[int]]) -> WidthChoice | None:
+        """The adaptive policy's choice of the verify width with the drafter; None without the policy. A
+        row's grammar-forced tokens count as drafts accepted with ``FORCED_ACCEPTANCE`` at their positions."""
         if self.cost_model is None:
             return None
         return choose_width(
-            [r.acceptance.values for r in rows if r.acceptance is not None],
+            [with_forced(r.acceptance.values, len(f)) for r, f in zip(rows, forced) if r.acceptance is not None],
             limits,
             self.cost_model.widths,
             self.cost_model.seconds,
@@ -216,7 +294,11 @@ class SpeculationPolicy:
         )
 
     def _choose_tree(
-        self, rows: list[Request], limits: list[int], chain: WidthChoice, drafts: list[list[int]] | None
+        self,
+        rows: list[Request],
+        limits: list[int],
+        chain: WidthChoice,
+        free: FreeDrafts | None,
     ) -> WidthChoice | None:
         """The best token-tree width when it predicts more tokens per second than ``chain`` (the best chain
         or no draft), else None: E_r from each row's per-depth tree acceptance and, where the row has a
@@ -227,11 +309,8 @@ class SpeculationPolicy:
         if not any(limits):
             return None
         branches = None
-        if drafts is not None:
-            branches = [
-                (r.lookup_acceptance.values if r.lookup_acceptance is not None else (), len(d))
-                for r, d in zip(rows, drafts)
-            ]
+        if free is not None:
+            branches = [(self._free_acceptance(r, s, 0), len(d)) for r, d, s in zip(rows, free.drafts, free.sources)]
         tree = choose_width(
             [r.tree_acceptance.values for r in rows if r.tree_acceptance is not None],
             limits,
@@ -244,31 +323,58 @@ class SpeculationPolicy:
             return tree
         return None
 
-    def _lookup_drafts(self, rows: list[Request], limits: list[int]) -> list[list[int]] | None:
-        """Each row's prompt-lookup draft (``dflash2/spec/prompt_lookup.py``; at most its limit, empty where
-        nothing matches); None when lookup is off, without the adaptive policy, and for a seeded row
-        (whether its drafts win would be a timing question)."""
-        if not self.spec.prompt_lookup_max or self.cost_model is None or seeded(rows):
+    def _free_drafts(self, rows: list[Request], limits: list[int], forced: list[list[int]]) -> FreeDrafts | None:
+        """Each row's drafts that cost no drafter forward, at most its limit, and their source: the tokens
+        its grammar forces, continued by its prompt-lookup draft (``dflash2/spec/prompt_lookup.py``) or,
+        where its own tokens have none, by a continuation from earlier outputs (``dflash2/spec/suffix.py``)
+        of the tokens so far and the forced ones; empty where there is none. None without the adaptive
+        policy, for a seeded row (whether such drafts win would be a timing question), and when no source
+        is on."""
+        if self.cost_model is None or seeded(rows):
             return None
-        drafts = []
-        for request, limit in zip(rows, limits):
-            assert request.lookup is not None
-            request.lookup.sync(request.output_ids)
-            drafts.append(request.lookup.propose(limit))
-        return drafts
+        if not (self.spec.prompt_lookup_max or self.suffix_index is not None or any(forced)):
+            return None
+        free = FreeDrafts([], [], [len(run) for run in forced])
+        for request, limit, run in zip(rows, limits, forced):
+            tail = [*request.prompt_ids[-SUFFIX_MAX_N:], *request.output_ids[-SUFFIX_MAX_N:], *run]
+            draft, source = [], DraftSource.GRAMMAR
+            if request.lookup is not None:
+                request.lookup.sync(request.output_ids)
+                draft, source = request.lookup.propose(limit - len(run), run), DraftSource.LOOKUP
+            if not draft and self.suffix_index is not None:
+                draft, source = self.suffix_index.propose(tail, limit - len(run)), DraftSource.SUFFIX
+            if not draft and run:
+                source = DraftSource.GRAMMAR
+            free.drafts.append([*run, *draft])
+            free.sources.append(source)
+        return free
+
+    def _free_acceptance(self, request: Request, source: DraftSource, num_forced: int) -> list[float]:
+        """The conditional acceptance per position the policy expects of a row's free drafts from
+        ``source``, after ``num_forced`` grammar-forced ones."""
+        estimate = {DraftSource.LOOKUP: request.lookup_acceptance, DraftSource.SUFFIX: request.suffix_acceptance}.get(
+            source
+        )
+        values = estimate.values if estimate is not None else [0.0] * (self.spec.block_size - 1)
+        return [FORCED_ACCEPTANCE] * num_forced + list(values)
 
     def _lookup_plan(
-        self, rows: list[Request], limits: list[int], choice: WidthChoice, drafts: list[list[int]]
+        self,
+        rows: list[Request],
+        limits: list[int],
+        choice: WidthChoice,
+        free: FreeDrafts,
     ) -> Plan | None:
-        """A prompt-lookup plan when every row that may draft has a lookup draft (``drafts``) and verifying
-        them, with no drafter forward, is predicted to commit more tokens per second than ``choice``; the
-        limits are cut to each row's lookup draft. None otherwise."""
+        """A plan without a drafter forward when every row that may draft has free drafts (``free``: prompt
+        lookup, earlier outputs, grammar-forced tokens) and verifying them is predicted to commit more tokens
+        per second than ``choice``; the limits are cut to each row's free drafts. None otherwise."""
         assert self.cost_model is not None
+        drafts = free.drafts
         if not all(d for d, limit in zip(drafts, limits) if limit):
             return None
         lookup_limits = [len(d) for d in drafts]
         lookup = choose_lookup_width(
-            [r.lookup_acceptance.values for r in rows if r.lookup_acceptance is not None],
+            [self._free_acceptance(r, s, f) for r, s, f in zip(rows, free.sources, free.num_forced)],
             lookup_limits,
             self.cost_model.widths,
             self.cost_model.verify_seconds,
@@ -276,16 +382,16 @@ class SpeculationPolicy:
         if not lookup.rates or lookup.rates[lookup.width] <= choice.rates.get(choice.width, 0.0):
             return None
         span = lookup.width - 1
-        draft_ids = torch.tensor([(d + [d[-1] if d else 0] * span)[:span] for d in drafts], device=self.spec.device)
-        ones = torch.ones(len(rows), span, 1, device=self.spec.device)
-        proposal = Proposal(draft_ids, draft_ids[..., None], ones)
         num_drafts = [min(n, span) for n in lookup_limits]
-        return Plan(DraftSource.LOOKUP, lookup.width, num_drafts, lookup.predicted_tokens, proposal)
+        proposal = _one_hot([d[:span] for d in drafts], self.spec.device)
+        return Plan(
+            DraftSource.LOOKUP, lookup.width, num_drafts, lookup.predicted_tokens, proposal, row_sources=free.sources
+        )
 
     # ---- after the step ----------------------------------------------------------------------
 
     def observe_costs(
-        self, plan: Plan, num_rows: int, verify_seconds: float, draft_seconds: float, probing: bool
+        self, plan: Plan, num_rows: int, width: int, verify_seconds: float, draft_seconds: float, probing: bool
     ) -> None:
         """Fold a decode step's timings into the cost table (not a step at a probed thread count, which is
         not what the table describes; a lookup step's drafting cost is not the drafter's)."""
@@ -295,71 +401,98 @@ class SpeculationPolicy:
             self.cost_model.observe_tree(num_rows, plan.width, verify_seconds, draft_seconds)
             return
         draft = None if plan.source is DraftSource.LOOKUP else draft_seconds
-        self.cost_model.observe(num_rows, plan.verify_width, verify_seconds, draft)
+        self.cost_model.observe(num_rows, width, verify_seconds, draft)
 
     def observe(
         self,
         request: Request,
         num_drafts: int,
         num_accepted: int,
-        lookup: bool,
+        source: DraftSource,
+        forced: list[bool] | None = None,
         spine_accepted: int | None = None,
-        branch: tuple[int, int] | None = None,
+        branch: tuple[DraftSource, int, int] | None = None,
     ) -> None:
-        """Fold a row's verify outcome into the estimates for the source of its drafts (prompt lookup or
-        the drafter); a source the step did not use relaxes toward its engine-wide estimate, so a row
-        that stopped using a source tries it again later.
+        """Fold a row's verify outcome into the estimates for the source of its drafts (the drafter, prompt
+        lookup, earlier outputs); a source the step did not use relaxes toward its engine-wide estimate, so
+        a row that stopped using a source tries it again later. Grammar-forced drafts (``forced`` marks
+        them per draft) teach no estimate: their acceptance is the grammar's, not the source's.
 
         A token tree's outcome (``spine_accepted`` given: how many of the accepted nodes were first-ranked
         children; ``num_accepted``: the accepted nodes the drafter proposed) teaches both drafter
         estimates: the tree's per depth from the accepted path, the chain's from its first-ranked spine,
         which is the path a chain step would have verified (for greedy rows; a sampled chain walks the
-        lattice with its own draws, close to the spine). A prompt-lookup branch verified in the tree
-        (``branch``: its drafts and how many were accepted) teaches the lookup estimate as a lookup step
-        would. A chain step teaches only the chain's; the tree's then relaxes toward its engine-wide one."""
+        lattice with its own draws, close to the spine). A free-draft branch verified in the tree
+        (``branch``: its source, drafts and how many were accepted) teaches that source's estimate as a step
+        of it would. A chain step teaches only the chain's; the tree's then relaxes toward its engine-wide one."""
         if request.acceptance is None:
             return
         tree_estimate = request.tree_acceptance
-        if lookup:
-            assert request.lookup_acceptance is not None
-            _fold(request.lookup_acceptance, self.lookup_acceptance, num_drafts, num_accepted)
+        taught: DraftSource | None = None
+        if source is not DraftSource.DRAFTER:  # a step without a drafter forward
+            taught = source
+            if source is not DraftSource.GRAMMAR:
+                _fold(*self._free_estimates(request, source), num_drafts, num_accepted, forced)
             request.acceptance.relax(self.acceptance.values)
             if tree_estimate is not None:
                 tree_estimate.relax(self.tree_acceptance.values)
-            return
-        if spine_accepted is None:
-            _fold(request.acceptance, self.acceptance, num_drafts, num_accepted)
+        elif spine_accepted is None:
+            _fold(request.acceptance, self.acceptance, num_drafts, num_accepted, forced)
             if tree_estimate is not None:
                 tree_estimate.relax(self.tree_acceptance.values)
         else:
             _fold(request.acceptance, self.acceptance, num_drafts, spine_accepted)
             if tree_estimate is not None:
                 _fold(tree_estimate, self.tree_acceptance, num_drafts, num_accepted)
-        if request.lookup_acceptance is not None:
-            if branch is not None:
-                _fold(request.lookup_acceptance, self.lookup_acceptance, *branch)
-            else:
-                request.lookup_acceptance.relax(self.lookup_acceptance.values)
+        if branch is not None:
+            taught = branch[0]
+            _fold(*self._free_estimates(request, branch[0]), branch[1], branch[2])
+        for other in (DraftSource.LOOKUP, DraftSource.SUFFIX):
+            if other is not taught:
+                estimate, tracker = self._free_estimates(request, other)
+                if estimate is not None:
+                    estimate.relax(tracker.values)
+
+    def _free_estimates(
+        self, request: Request, source: DraftSource
+    ) -> tuple[AcceptanceEstimate | None, AcceptanceTracker]:
+        """The row's and the engine-wide acceptance of prompt lookup's or earlier outputs' drafts."""
+        if source is DraftSource.SUFFIX:
+            return request.suffix_acceptance, self.suffix_acceptance
+        return request.lookup_acceptance, self.lookup_acceptance
 
     def end_step(self, plan: Plan) -> None:
         """After every row was observed: a step where the drafter's acceptance was not observed lets its
         engine-wide estimate recover toward the long run (no lock-out); likewise the token trees' and
-        prompt lookup's."""
-        lookup = plan.source is DraftSource.LOOKUP
-        if self.cost_model is not None and (lookup or not any(plan.num_drafts)):
+        each free source's."""
+        free = plan.source is DraftSource.LOOKUP
+        if self.cost_model is not None and (free or not any(plan.num_drafts)):
             self.acceptance.idle_step()
         if self.cost_model is not None and self.spec.tree and not plan.tree:
             self.tree_acceptance.idle_step()
-        if self.spec.prompt_lookup_max and not lookup and not any(plan.branches or ()):
+        used = set()
+        if plan.row_sources is not None and (free or any(plan.branches or ())):
+            used = set(plan.row_sources)
+        if self.spec.prompt_lookup_max and DraftSource.LOOKUP not in used:
             self.lookup_acceptance.idle_step()
+        if self.suffix_index is not None and DraftSource.SUFFIX not in used:
+            self.suffix_acceptance.idle_step()
 
 
-def _fold(estimate: AcceptanceEstimate, tracker: AcceptanceTracker, num_drafts: int, num_accepted: int) -> None:
-    """A row's verify outcome into its estimate and the engine-wide tracker; without drafts, the row's
-    estimate relaxes toward the tracker's."""
-    if num_drafts:
-        estimate.observe(num_drafts, num_accepted)
-        tracker.observe(num_drafts, num_accepted)
+def _fold(
+    estimate: AcceptanceEstimate | None,
+    tracker: AcceptanceTracker,
+    num_drafts: int,
+    num_accepted: int,
+    skip: list[bool] | None = None,
+) -> None:
+    """A row's verify outcome into its estimate and the engine-wide tracker, less the positions ``skip``
+    marks; without drafts (or only skipped ones), the row's estimate relaxes toward the tracker's."""
+    if estimate is None:
+        return
+    if num_drafts and not (skip is not None and all(skip[:num_drafts])):
+        estimate.observe(num_drafts, num_accepted, skip)
+        tracker.observe(num_drafts, num_accepted, skip)
     else:
         estimate.relax(tracker.values)
 
@@ -377,3 +510,20 @@ def seeded(rows: Iterable[Request]) -> bool:
     """True when a row has its own seed: its text must not depend on load or timings (a greedy one's too:
     in bfloat16 rounding can break a near-tie either way)."""
     return any(r.params.seed is not None for r in rows)
+
+
+def with_forced(acceptance: list[float], num_forced: int) -> list[float]:
+    """A row's per-position drafter acceptance with its first ``num_forced`` positions grammar-forced
+    (``FORCED_ACCEPTANCE`` there: the drafter's own slot estimates hold for the positions after them)."""
+    if not num_forced:
+        return acceptance
+    return [FORCED_ACCEPTANCE] * num_forced + acceptance[num_forced:]
+
+
+def _one_hot(drafts: list[list[int]], device: torch.device) -> Proposal:
+    """The proposal of drafts chosen without a distribution (copied or forced): one-hot on each draft,
+    rows padded to the longest (the padding is never verified)."""
+    span = max(map(len, drafts), default=0)
+    draft_ids = torch.tensor([(d + [d[-1] if d else 0] * span)[:span] for d in drafts], device=device)
+    draft_ids = draft_ids.view(len(drafts), span)
+    return Proposal(draft_ids, draft_ids[..., None], torch.ones(len(drafts), span, 1, device=device))

@@ -71,15 +71,22 @@ class Postprocessor:
             emitted = [*verified.draft_lists[i][:acc], verified.next_ids[i]]
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self.commit_tokens(request, emitted, logprob_rows, stats)
-            _count_acceptance(request, acc, len(committed), plan.num_drafts[i], stats)
+            num_drafts = verified.drafts_per_row[i]
+            sources = _draft_sources(verified, i)
+            _count_acceptance(request, acc, len(committed), sources, stats)
             spine = branch = None
             drafted = acc  # accepted drafts the drafter proposed (a tree's lookup branch is taught apart)
             if verified.spine_accepted is not None and verified.tree_accepted is not None:
                 spine, drafted = verified.spine_accepted[i], verified.tree_accepted[i]
-            if verified.branch_accepted is not None:
-                branch = verified.branch_accepted[i]
-            lookup = plan.source is DraftSource.LOOKUP
-            self.policy.observe(request, plan.num_drafts[i], drafted, lookup, spine, branch)
+            if verified.branch_accepted is not None and (held := verified.branch_accepted[i]) is not None:
+                assert plan.row_sources is not None
+                branch = (plan.row_sources[i], *held)
+            source = DraftSource.DRAFTER
+            if plan.source is DraftSource.LOOKUP:
+                assert plan.row_sources is not None
+                source = plan.row_sources[i]
+            forced = verified.forced[i] if verified.forced is not None else None
+            self.policy.observe(request, num_drafts, drafted, source, forced, spine, branch)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step
         self.policy.end_step(plan)
         if self.spec.speculative and verified.features is not None:
@@ -96,12 +103,15 @@ class Postprocessor:
         stats.verify_time += verified.verify_seconds
         stats.grammar_time += verified.grammar_seconds
         stats.predicted_tokens += plan.predicted_tokens
-        stats.verify_width, stats.draft_lengths = plan.verify_width, list(plan.num_drafts)
+        num_drafts = verified.drafts_per_row
+        stats.verify_width, stats.draft_lengths = max(num_drafts) + 1, list(num_drafts)
         if plan.source is DraftSource.LOOKUP:
-            stats.num_lookup_drafts += sum(1 for n in plan.num_drafts if n)
+            stats.num_lookup_drafts += sum(1 for n in num_drafts if n)
         stats.num_tree_nodes += verified.tree_nodes
         drafting = verified.draft_seconds + verified.select_seconds
-        self.policy.observe_costs(plan, num_rows, verified.verify_seconds, drafting, self.probing())
+        self.policy.observe_costs(
+            plan, num_rows, max(num_drafts) + 1, verified.verify_seconds, drafting, self.probing()
+        )
         if self.spec.speculative and not stats.drafted_per_position:
             stats.accepted_per_position = [0] * (self.spec.block_size - 1)
             stats.drafted_per_position = [0] * (self.spec.block_size - 1)
@@ -205,13 +215,41 @@ def token_logprobs(token_ids: list[int], logits: torch.Tensor, num_top: int | No
     return out
 
 
-def _count_acceptance(request: Request, acc: int, num_committed: int, num_drafts: int, stats: StepStats) -> None:
-    """Count only the accepted prefix that was committed (a stop may truncate the block)."""
+def _draft_sources(verified: Verified, row: int) -> list[DraftSource]:
+    """Where each of a row's verified drafts came from (a tree row: along its accepted path, then the rest of
+    its depth as the drafter's): the grammar where it forced the draft, else the step's source (a free-draft
+    step's row source; on a tree step the nodes after the drafter's accepted ones are the branch's)."""
+    plan = verified.plan
+    num_drafts = verified.drafts_per_row[row]
+    source = plan.source
+    if plan.source is DraftSource.LOOKUP and plan.row_sources is not None:
+        source = plan.row_sources[row]
+    sources = [source] * num_drafts
+    if verified.tree_accepted is not None and plan.row_sources is not None and plan.branches is not None:
+        branch = plan.row_sources[row]
+        for j in range(verified.tree_accepted[row], min(verified.num_accepted[row], num_drafts)):
+            sources[j] = branch
+    if verified.forced is not None:
+        sources = [DraftSource.GRAMMAR if f else s for s, f in zip(sources, verified.forced[row])]
+    return sources
+
+
+def _count_acceptance(
+    request: Request, acc: int, num_committed: int, sources: list[DraftSource], stats: StepStats
+) -> None:
+    """Count only the accepted prefix that was committed (a stop may truncate the block); ``sources``: where
+    each verified draft came from."""
+    num_drafts = len(sources)
     accepted = min(acc, num_committed)
     request.num_verify_steps += 1
     request.num_draft_tokens += num_drafts
     request.num_accepted_tokens += accepted
     stats.acceptance_lengths.append(num_committed)
+    for source in sources[:accepted]:
+        request.accepted_by_source[source.value] = request.accepted_by_source.get(source.value, 0) + 1
+        stats.accepted_by_source[source.value] = stats.accepted_by_source.get(source.value, 0) + 1
+    for source in sources:
+        stats.drafted_by_source[source.value] = stats.drafted_by_source.get(source.value, 0) + 1
     if num_drafts:
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -238,6 +276,7 @@ def output(request: Request, token_ids: list[int], text: str, logprobs: list[Tok
         num_accepted_tokens=request.num_accepted_tokens,
         num_verify_steps=request.num_verify_steps,
         num_cached_tokens=request.num_cached_prompt_tokens,
+        accepted_by_source=dict(request.accepted_by_source),
     )
 
 

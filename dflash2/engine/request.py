@@ -87,6 +87,7 @@ class Request:
     tree_acceptance: AcceptanceEstimate | None = None  # per depth, of its token trees (adaptive mode with trees)
     lookup: PromptLookup | None = None  # the n-gram index over its tokens (prompt lookup on)
     lookup_acceptance: AcceptanceEstimate | None = None  # of its prompt-lookup drafts
+    suffix_acceptance: AcceptanceEstimate | None = None  # of its drafts from earlier outputs (suffix decoding)
     pending_context: PendingContext = field(default_factory=PendingContext)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -98,6 +99,8 @@ class Request:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Committed accepted drafts by where they came from (drafter, lookup, suffix, grammar).
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_finished(self) -> bool:

@@ -94,11 +94,15 @@ def expected_tokens_with_branch(
     return total
 
 
-def observed_positions(num_drafts: int, num_accepted: int) -> list[tuple[int, float]]:
+def observed_positions(
+    num_drafts: int, num_accepted: int, skip: Sequence[bool] | None = None
+) -> list[tuple[int, float]]:
     """What a verify step with ``num_drafts`` drafts and ``num_accepted`` accepted tells about each
     draft position: ``(i, 1.0)`` for the accepted ones, ``(i, 0.0)`` for the first rejected one (if
-    drafted); later positions were not reached, so they are not observed."""
-    return [(i, 1.0 if i < num_accepted else 0.0) for i in range(min(num_accepted + 1, num_drafts))]
+    drafted); later positions were not reached, so they are not observed. Positions where ``skip`` is
+    True (grammar-forced drafts, which another source proposed) say nothing about this source."""
+    reached = range(min(num_accepted + 1, num_drafts))
+    return [(i, 1.0 if i < num_accepted else 0.0) for i in reached if skip is None or i >= len(skip) or not skip[i]]
 
 
 @dataclass
@@ -113,10 +117,11 @@ class AcceptanceEstimate:
     values: list[float]
     alpha: float = ROW_ALPHA
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, num_drafts: int, num_accepted: int, skip: Sequence[bool] | None = None) -> None:
         """A verify step with ``num_drafts`` drafts accepted ``num_accepted``: positions before it were
-        accepted, the one after it (if drafted) rejected; later positions are not observed."""
-        for i, seen in observed_positions(num_drafts, num_accepted):
+        accepted, the one after it (if drafted) rejected; later positions, and those ``skip`` marks, are not
+        observed."""
+        for i, seen in observed_positions(num_drafts, num_accepted, skip):
             self.values[i] += self.alpha * (seen - self.values[i])
 
     def relax(self, toward: Sequence[float], rate: float = RELAX_RATE) -> None:
@@ -158,10 +163,10 @@ class AcceptanceTracker:
         """Accepted ÷ observed per position over the engine's life (prior included)."""
         return [a / n for a, n in zip(self._accepted, self._observed)]
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, num_drafts: int, num_accepted: int, skip: Sequence[bool] | None = None) -> None:
         """One row's verify outcome (see :meth:`AcceptanceEstimate.observe`)."""
-        self.recent.observe(num_drafts, num_accepted)
-        for i, seen in observed_positions(num_drafts, num_accepted):
+        self.recent.observe(num_drafts, num_accepted, skip)
+        for i, seen in observed_positions(num_drafts, num_accepted, skip):
             self._observed[i] += 1.0
             self._accepted[i] += seen
 

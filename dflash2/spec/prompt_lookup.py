@@ -59,14 +59,16 @@ class PromptLookup:
         """Catch up with the request's output so far (it only grows; the prompt is indexed already)."""
         self.extend(output[len(self.tokens) - self._prompt_length :])
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix
-        (``[]`` when no suffix of at least ``min_n`` tokens occurred before, or ``k`` ≤ 0)."""
-        last = len(self.tokens) - 1
+        (``[]`` when no suffix of at least ``min_n`` tokens occurred before, or ``k`` ≤ 0). ``after``: tokens
+        known to come next (a grammar forces them), matched as if they were already the last tokens."""
+        tail = [*self.tokens[-self.max_n :], *after] if after else self.tokens
+        last = len(tail) - 1
         if k <= 0 or last < 0:
             return []
         for n in range(min(self.max_n, last + 1), self.min_n - 1, -1):
-            end = self._latest.get(tuple(self.tokens[last - n + 1 :]))
+            end = self._latest.get(tuple(tail[last - n + 1 :]))
             if end is not None:
                 return self.tokens[end + 1 : end + 1 + k]
         return []

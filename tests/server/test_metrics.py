@@ -22,6 +22,8 @@ COUNTERS = [
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "spec_decode_num_accepted_tokens_per_pos",
+    "spec_decode_num_draft_tokens_by_source",
+    "spec_decode_num_accepted_tokens_by_source",
     "prompt_tokens",
     "prefix_cache_queries",
     "prefix_cache_hits",
