@@ -48,7 +48,13 @@ def test_chat_non_streaming(client):
     assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     stats = response.model_extra["dflash2"]
-    assert set(stats) == {"draft_tokens", "accepted_tokens", "verify_steps", "mean_acceptance_length"}
+    assert set(stats) == {
+        "draft_tokens",
+        "accepted_tokens",
+        "verify_steps",
+        "mean_acceptance_length",
+        "accepted_tokens_by_source",
+    }
     steps, accepted = stats["verify_steps"], stats["accepted_tokens"]
     if choice.finish_reason == "length":  # the prefill gives one token, each verify step accepted + 1 (bonus)
         assert usage.completion_tokens == 1 + steps + accepted

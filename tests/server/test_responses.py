@@ -43,7 +43,7 @@ async def test_chat_stream_order_role_deltas_finish_usage_done():
     finish = chunks[4]
     assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
     assert finish["dflash2"] == {"draft_tokens": 6, "accepted_tokens": 0, "verify_steps": 2,
-                                 "mean_acceptance_length": 1.0}  # fmt: skip
+                                 "mean_acceptance_length": 1.0, "accepted_tokens_by_source": {}}  # fmt: skip
     usage = chunks[5]
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 19, "completion_tokens": 3, "total_tokens": 22, **NO_CACHE}
