@@ -182,9 +182,25 @@ def run_tool(name: str, arguments: str) -> str:
             )
         return f"$ {command}\nok"
     if name == "book_hotel":
-        guest = args.get("guest") if isinstance(args.get("guest"), dict) else {}
-        return json.dumps({"confirmation": f"HB-{code}", "guest": guest.get("name"), "room": args.get("room")})
+        guest = args.get("guest")
+        guest_name = guest.get("name") if isinstance(guest, dict) else None
+        return json.dumps({"confirmation": f"HB-{code}", "guest": guest_name, "room": args.get("room")})
     return f"error: unknown tool {name}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call as the script expects it: the tool's name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    def matches(self, name: str, arguments: str) -> bool:
+        """True when a reply's call (name, arguments as JSON text) is this call."""
+        try:
+            return name == self.name and json.loads(arguments) == self.arguments
+        except json.JSONDecodeError:
+            return False
 
 
 @dataclass(frozen=True)
@@ -196,15 +212,17 @@ class ScriptTurn:
         user: the user message sent before the request; None: the model goes on after the tool results.
         tool_choice: ``required``, ``auto``, a tool's name (a named choice) or ``none``.
         schema: ``json`` turns: the ``response_format`` JSON schema.
-        repeats: the call this turn asks for again, as a tool name (the turn's user message names
-            its arguments: they equal an earlier call's of the script); "" when none.
+        call: ``tool_call`` turns: the call the user message asks for (the turn's record says whether
+            the model made it; the model's own calls are what the loop runs and feeds back).
+        is_repeat: ``call`` equals an earlier call of the conversation (the history's or a turn's).
     """
 
     kind: str
     user: str | None
     tool_choice: str = "none"
     schema: dict[str, Any] | None = None
-    repeats: str = ""
+    call: ToolCall | None = None
+    is_repeat: bool = False
 
     def payload(self, model: str, messages: list[Message], max_tokens: int) -> dict[str, Any]:
         """The chat request of this turn on ``messages`` (the whole history, this turn's user message included)."""
@@ -237,107 +255,131 @@ class Script:
     turns: tuple[ScriptTurn, ...]
 
 
-def _seed_call(call_id: str, name: str, arguments: dict[str, Any]) -> list[Message]:
+def _seed_call(call_id: str, call: ToolCall) -> list[Message]:
     """An earlier assistant call and its result, as a resumed agent's history holds them."""
-    text = json.dumps(arguments)
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+    text = json.dumps(call.arguments)
+    message = {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": text}}
     return [
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call_id, "content": run_tool(name, text)},
+        {"role": "assistant", "content": None, "tool_calls": [message]},
+        {"role": "tool", "tool_call_id": call_id, "content": run_tool(call.name, text)},
     ]
+
+
+def _tool_turn(user: str, tool_choice: str, call: ToolCall, is_repeat: bool = False) -> ScriptTurn:
+    return ScriptTurn(TOOL_CALL, user, tool_choice, call=call, is_repeat=is_repeat)
 
 
 def build_scripts() -> list[Script]:
     """The workload's conversations (fixed; ``agent_loop_conversations`` takes the first N)."""
+    lisbon = ToolCall(
+        "search_flights",
+        {"origin": "BOS", "destination": "LIS", "date": "2026-05-14", "passengers": 2, "cabin": "economy"},
+    )
+    ana = ToolCall(
+        "book_hotel",
+        {
+            "guest": {"name": "Ana Silva", "email": "ana.silva@example.com"},
+            "stay": {"check_in": "2026-05-14", "check_out": "2026-05-18"},
+            "room": "double",
+        },
+    )
     travel = Script(
         "travel",
         ({"role": "system", "content": "You are a travel agent. Use the tools to search and book."},),
         (
-            ScriptTurn(
-                TOOL_CALL,
-                "Find flights from BOS to LIS on 2026-05-14 for 2 passengers in economy.",
-                "required",
-            ),
+            _tool_turn("Find flights from BOS to LIS on 2026-05-14 for 2 passengers in economy.", "required", lisbon),
             ScriptTurn(TEXT, None),
-            ScriptTurn(
-                TOOL_CALL,
+            _tool_turn(
                 "Book a double room for Ana Silva (ana.silva@example.com), check in 2026-05-14, check out 2026-05-18.",
                 "book_hotel",
+                ana,
             ),
             ScriptTurn(JSON, "Give the traveller record of Ana Silva, 34, as JSON.", schema=PERSON_SCHEMA),
-            ScriptTurn(
-                TOOL_CALL,
+            _tool_turn(
                 "Search the same flights again (BOS to LIS, 2026-05-14, 2 passengers, economy): prices change.",
                 "search_flights",
-                repeats="search_flights",
+                lisbon,
+                is_repeat=True,
             ),
             ScriptTurn(JSON, "Plan the rest of the trip as JSON steps.", schema=PLAN_SCHEMA),
             ScriptTurn(TEXT, "Repeat the exact flight search you ran, word for word."),
         ),
     )
-    config_seed = [
-        {"role": "system", "content": "You are a coding agent in a repository. Use the tools to read, edit and test."},
-        {"role": "user", "content": "Show me config.yaml."},
-        *_seed_call("call_seed_config", "read_file", {"path": "config.yaml"}),
-    ]
+    read_config = ToolCall("read_file", {"path": "config.yaml"})
+    tests = ToolCall("run_command", {"command": "pytest -q tests/test_config.py", "timeout": 120})
     coding = Script(
         "coding",
-        tuple(config_seed),
         (
-            ScriptTurn(
-                TOOL_CALL,
+            {
+                "role": "system",
+                "content": "You are a coding agent in a repository. Use the tools to read, edit and test.",
+            },
+            {"role": "user", "content": "Show me config.yaml."},
+            *_seed_call("call_seed_config", read_config),
+        ),
+        (
+            _tool_turn(
                 "Write config.yaml back with the port changed from 8080 to 8081; keep every other line the same.",
                 "write_file",
+                ToolCall(
+                    "write_file", {"path": "config.yaml", "content": FILES["config.yaml"].replace("8080", "8081")}
+                ),
             ),
-            ScriptTurn(
-                TOOL_CALL, "Run the tests: `pytest -q tests/test_config.py` with a timeout of 120 seconds.", "required"
+            _tool_turn(
+                "Run the tests: `pytest -q tests/test_config.py` with a timeout of 120 seconds.", "required", tests
             ),
             ScriptTurn(TEXT, "Repeat the command you ran."),
-            ScriptTurn(TOOL_CALL, "Read config.yaml again.", "required", repeats="read_file"),
-            ScriptTurn(
-                TOOL_CALL,
-                "Run the same test command again, with the same timeout.",
-                "run_command",
-                repeats="run_command",
-            ),
+            _tool_turn("Read config.yaml again.", "required", read_config, is_repeat=True),
+            _tool_turn("Run the same test command again, with the same timeout.", "run_command", tests, is_repeat=True),
             ScriptTurn(JSON, "Plan the remaining work as JSON steps.", schema=PLAN_SCHEMA),
         ),
     )
+    disk = ToolCall("run_command", {"command": "df -h", "timeout": 10})
+    log = "/var/log/app.log"
     ops = Script(
         "ops",
         ({"role": "system", "content": "You are an operations agent on a Linux server. Use the tools."},),
         (
-            ScriptTurn(TOOL_CALL, "Check disk usage with `df -h` (timeout 10 seconds).", "required"),
-            ScriptTurn(TOOL_CALL, "Read the file /var/log/app.log.", "auto"),
+            _tool_turn("Check disk usage with `df -h` (timeout 10 seconds).", "required", disk),
+            _tool_turn(f"Read the file {log}.", "auto", ToolCall("read_file", {"path": log})),
             ScriptTurn(TEXT, None),
             ScriptTurn(JSON, "Extract the on-call engineer named in the log as a person record.", schema=PERSON_SCHEMA),
-            ScriptTurn(TOOL_CALL, "Run `df -h` again with the same timeout.", "run_command", repeats="run_command"),
-            ScriptTurn(
-                TOOL_CALL,
-                "Write the log you read back to /var/log/app.log.bak, unchanged.",
+            _tool_turn("Run `df -h` again with the same timeout.", "run_command", disk, is_repeat=True),
+            _tool_turn(
+                f"Write the log you read back to {log}.bak, unchanged.",
                 "write_file",
+                ToolCall("write_file", {"path": f"{log}.bak", "content": FILES[log]}),
             ),
             ScriptTurn(TEXT, "Quote the last line of the log."),
         ),
+    )
+    li = ToolCall(
+        "book_hotel",
+        {
+            "guest": {"name": "Li Wei", "email": "li.wei@example.com"},
+            "stay": {"check_in": "2026-06-01", "check_out": "2026-06-04"},
+            "room": "suite",
+        },
     )
     booking = Script(
         "booking",
         ({"role": "system", "content": "You are a booking assistant. Use the tools."},),
         (
-            ScriptTurn(
-                TOOL_CALL, "Search flights from SFO to JFK on 2026-06-01 for 1 passenger in business.", "required"
+            _tool_turn(
+                "Search flights from SFO to JFK on 2026-06-01 for 1 passenger in business.",
+                "required",
+                ToolCall(
+                    "search_flights",
+                    {"origin": "SFO", "destination": "JFK", "date": "2026-06-01", "passengers": 1, "cabin": "business"},
+                ),
             ),
-            ScriptTurn(
-                TOOL_CALL,
-                "Book a suite for Li Wei (li.wei@example.com) from 2026-06-01 to 2026-06-04.",
-                "auto",
-            ),
+            _tool_turn("Book a suite for Li Wei (li.wei@example.com) from 2026-06-01 to 2026-06-04.", "auto", li),
             ScriptTurn(JSON, "Plan the trip as JSON steps.", schema=PLAN_SCHEMA),
-            ScriptTurn(
-                TOOL_CALL,
+            _tool_turn(
                 "Book the same hotel again for the same guest, dates and room: the first booking timed out.",
                 "book_hotel",
-                repeats="book_hotel",
+                li,
+                is_repeat=True,
             ),
             ScriptTurn(TEXT, "Repeat the booking details you sent, exactly."),
             ScriptTurn(JSON, "Give the guest's record as JSON (Li Wei is 41).", schema=PERSON_SCHEMA),
@@ -364,6 +406,7 @@ class LoopTurn:
     finish_reason: str = ""
     output: str = ""
     calls: list[str] = field(default_factory=list)
+    made_expected_call: bool | None = None
     error: str = ""
 
     @property
@@ -381,16 +424,18 @@ def reply_text(message: Message) -> str:
     return "\n".join(parts)
 
 
-def _record(conversation: int, index: int, kind: str, body: dict[str, Any], seconds: float) -> LoopTurn:
+def _record(conversation: int, index: int, step: ScriptTurn, body: dict[str, Any], seconds: float) -> LoopTurn:
     choice = body["choices"][0]
     usage = body.get("usage") or {}
     info = body.get("dflash2") or {}
     by_source = info.get("accepted_tokens_by_source") or {}
     message = choice.get("message") or {}
+    calls = [c.get("function") or {} for c in message.get("tool_calls") or []]
+    expected = step.call
     return LoopTurn(
         conversation,
         index,
-        kind,
+        step.kind,
         ok=True,
         seconds=seconds,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
@@ -401,7 +446,10 @@ def _record(conversation: int, index: int, kind: str, body: dict[str, Any], seco
         accepted_by_source={str(k): int(v) for k, v in by_source.items()},
         finish_reason=str(choice.get("finish_reason") or ""),
         output=reply_text(message),
-        calls=[str((c.get("function") or {}).get("name")) for c in message.get("tool_calls") or []],
+        calls=[str(c.get("name")) for c in calls],
+        made_expected_call=None
+        if expected is None
+        else any(expected.matches(str(c.get("name")), str(c.get("arguments") or "")) for c in calls),
     )
 
 
@@ -418,7 +466,7 @@ def run_script(
             messages.append({"role": "user", "content": step.user})
         try:
             body, seconds = send(step.payload(model, list(messages), max_tokens))
-            turn = _record(conversation, index, step.kind, body, seconds)
+            turn = _record(conversation, index, step, body, seconds)
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError, IndexError) as exc:
             turns.append(LoopTurn(conversation, index, step.kind, ok=False, error=f"{type(exc).__name__}: {exc}"))
             break
@@ -474,6 +522,7 @@ def kind_summary(turns: Sequence[LoopTurn]) -> dict[str, Any]:
         "accepted_tokens": accepted,
         "accepted_by_source": by_source or None,
         "seconds": sum(t.seconds for t in ok),
+        "expected_calls": sum(bool(t.made_expected_call) for t in ok),
     }
 
 
