@@ -312,12 +312,25 @@ def agent_loop_table(results: dict[str, Any]) -> list[str]:
                     _ratio_cell(k.get("tokens_per_second_vs_base")),
                     str(k["output_tokens"]),
                     str(k["verify_steps"]),
+                    f"{k.get('expected_calls', 0)}/{k['num_turns']}" if kind == "tool_call" else "–",
                     " / ".join(str(sources.get(n, 0)) for n in ("drafter", "lookup", "suffix", "grammar"))
                     if sources
                     else "–",
                 ]
             )
-    header = ["server", "turn kind", "turns", "τ", "tok/s p50", "× AR", "× base", "tokens", "steps", "accepted d/l/s/g"]
+    header = [
+        "server",
+        "turn kind",
+        "turns",
+        "τ",
+        "tok/s p50",
+        "× AR",
+        "× base",
+        "tokens",
+        "steps",
+        "calls as asked",
+        "accepted d/l/s/g",
+    ]
     e2e = [
         [
             s["server"],
@@ -333,7 +346,8 @@ def agent_loop_table(results: dict[str, Any]) -> list[str]:
         f"{len(loop['conversations'])} scripted conversations ({', '.join(loop['conversations'])}), "
         f"{loop['turns']} turns, T = 0, at most {loop['max_tokens']} output tokens per reply, one request at a time; "
         "× AR / × base: tok/s p50 against the autoregressive server / against dflash2-base; accepted tokens by "
-        "draft source: drafter / lookup / suffix / grammar (– where the server does not report sources).",
+        "draft source: drafter / lookup / suffix / grammar (– where the server does not report sources); calls as "
+        "asked: tool-call turns whose reply made the call the user message asked for.",
         "",
         *table(header, rows),
         "",

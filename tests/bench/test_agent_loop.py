@@ -174,6 +174,8 @@ def test_kind_summary_tau_rate_and_sources() -> None:
     assert summary["tokens_per_second_p50"] == pytest.approx(20.0)  # median of 30, 20 and 4 tok/s
     assert summary["output_tokens"] == 52 and summary["verify_steps"] == 24 and summary["num_errors"] == 1
     assert summary["accepted_by_source"] == {"drafter": 16, "grammar": 5, "suffix": 3}
+    turns[1].made_expected_call = True
+    assert kind_summary(turns)["expected_calls"] == 1
     assert kind_summary([_turn(TEXT, 0, 0, 5, 1.0, 0, 0)])["tau"] is None  # autoregressive: no verify steps
 
 
@@ -204,6 +206,10 @@ def test_comparisons_ratios_and_mismatches() -> None:
     lines = agent_loop_table({"agent_loop": {"conversations": ["x"], "turns": 3, "max_tokens": 96, "servers": servers}})
     assert any("| dflash2 | text | 3 |" in line and "3.00×" in line for line in lines)
     assert any(line.startswith("| dflash2 | 10.0 | 4.00× | 2.00× | 0 |") for line in lines)
+    header = next(line for line in lines if line.startswith("| server | turn kind"))
+    column = [c.strip() for c in header.split("|")].index("calls as asked")
+    text_row = next(line for line in lines if line.startswith("| dflash2 | text |"))
+    assert [c.strip() for c in text_row.split("|")][column] == "–"  # no call asked for
 
 
 def test_mismatches_skip_failed_and_missing_turns() -> None:
