@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash2.bench.config import METHOD_FAMILIES, PROMPT_SETS, BenchConfig
+from dflash2.bench.config import (
+    AGENT_LOOP_MAX_CONVERSATIONS,
+    AGENT_LOOP_SERVERS,
+    METHOD_FAMILIES,
+    PROMPT_SETS,
+    BenchConfig,
+)
 from dflash2.bench.gguf_export import GGUF_TYPES
 from dflash2.config import QUANTIZATION_CHOICES, EngineConfig
 from dflash2.engine_args import (
@@ -311,6 +317,10 @@ def _bench(args: argparse.Namespace) -> int:
         agent_conversations=args.agent_conversations,
         agent_turns=args.agent_turns,
         agent_max_tokens=args.agent_max_tokens,
+        agent_loop=args.agent_loop,
+        agent_loop_servers=tuple(dict.fromkeys(args.agent_loop_servers)),
+        agent_loop_conversations=args.agent_loop_conversations,
+        agent_loop_max_tokens=args.agent_loop_max_tokens,
         command=getattr(args, "command_line", ""),
     )
     run_bench(config, progress=lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
@@ -443,6 +453,32 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agent-conversations", type=int, default=d.agent_conversations, help="conversations")
     parser.add_argument("--agent-turns", type=int, default=d.agent_turns, help="questions per conversation")
     parser.add_argument("--agent-max-tokens", type=int, default=d.agent_max_tokens, help="output tokens per answer")
+    parser.add_argument(
+        "--agent-loop",
+        action=argparse.BooleanOptionalAction,
+        default=d.agent_loop,
+        help="agent-loop workload: tool-call, JSON and text turns of scripted agents, τ and tok/s per turn kind "
+        "on each --agent-loop-servers server, started one after another",
+    )
+    parser.add_argument(
+        "--agent-loop-servers",
+        nargs="+",
+        choices=list(AGENT_LOOP_SERVERS),
+        default=list(d.agent_loop_servers),
+        help="servers of the agent-loop workload (default: all)",
+    )
+    parser.add_argument(
+        "--agent-loop-conversations",
+        type=int,
+        default=d.agent_loop_conversations,
+        help=f"scripted conversations, 1 to {AGENT_LOOP_MAX_CONVERSATIONS} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--agent-loop-max-tokens",
+        type=int,
+        default=d.agent_loop_max_tokens,
+        help="output tokens per agent-loop reply (default: %(default)s)",
+    )
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:

@@ -29,6 +29,20 @@ BASELINES = (AR, HF, HF_PLD, LLAMA_CPP)
 
 ENGINE, TRANSFORMERS, LLAMA = "engine", "transformers", "llama.cpp"
 
+#: The agent-loop workload's servers (``bench/agent_loop.py``): name → (speculative, extra ``dflash2 serve``
+#: flags). ``dflash2`` is the speculative default with every draft source; the others turn sources off.
+AGENT_LOOP_SERVERS: dict[str, tuple[bool, tuple[str, ...]]] = {
+    AR: (False, ()),
+    DFLASH2: (True, ()),
+    "dflash2-no-grammar": (True, ("--no-grammar-forced-drafts",)),
+    "dflash2-no-suffix": (True, ("--suffix-decoding-max-cached-requests", "0")),
+    "dflash2-base": (True, ("--no-grammar-forced-drafts", "--suffix-decoding-max-cached-requests", "0")),
+}
+#: The agent-loop server without the grammar-forced and suffix draft sources (a ratio's reference).
+AGENT_LOOP_BASE = "dflash2-base"
+#: Conversations the agent-loop workload has scripts for.
+AGENT_LOOP_MAX_CONVERSATIONS = 4
+
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -160,6 +174,10 @@ class BenchConfig:
         agent_conversations: concurrent conversations.
         agent_turns: questions per conversation.
         agent_max_tokens: output tokens per answer.
+        agent_loop: run the agent-loop workload (tool calls, JSON and text turns per server; ``bench/agent_loop.py``).
+        agent_loop_servers: its servers, started one after another (names of ``AGENT_LOOP_SERVERS``).
+        agent_loop_conversations: its scripted conversations (the first N of ``AGENT_LOOP_MAX_CONVERSATIONS``).
+        agent_loop_max_tokens: output tokens per reply of the agent loop.
         command: the exact command line, for the report.
     """
 
@@ -198,6 +216,10 @@ class BenchConfig:
     agent_conversations: int = 3
     agent_turns: int = 4
     agent_max_tokens: int = 16
+    agent_loop: bool = True
+    agent_loop_servers: tuple[str, ...] = tuple(AGENT_LOOP_SERVERS)
+    agent_loop_conversations: int = AGENT_LOOP_MAX_CONVERSATIONS
+    agent_loop_max_tokens: int = 128
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -225,6 +247,15 @@ class BenchConfig:
             (self.agent_conversations >= 1, "agent_conversations must be at least 1"),
             (self.agent_turns >= 2, "agent_turns must be at least 2 (follow-up turns are the point)"),
             (self.agent_max_tokens >= 1, "agent_max_tokens must be at least 1"),
+            (
+                all(s in AGENT_LOOP_SERVERS for s in self.agent_loop_servers) and bool(self.agent_loop_servers),
+                f"agent-loop servers: choose from {', '.join(AGENT_LOOP_SERVERS)}",
+            ),
+            (
+                1 <= self.agent_loop_conversations <= AGENT_LOOP_MAX_CONVERSATIONS,
+                f"agent_loop_conversations must be in [1, {AGENT_LOOP_MAX_CONVERSATIONS}]",
+            ),
+            (self.agent_loop_max_tokens >= 1, "agent_loop_max_tokens must be at least 1"),
         ]
         from dflash2.bench.gguf_export import GGUF_TYPES
         from dflash2.config import QUANTIZATION_CHOICES

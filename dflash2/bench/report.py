@@ -286,6 +286,82 @@ def agents_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ratio_cell(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def agent_loop_table(results: dict[str, Any]) -> list[str]:
+    """The agent-loop workload: per server and turn kind τ, tok/s p50 and their ratios, tokens, verify
+    steps and accepted tokens by draft source; then end to end per server, and the turns that differ from AR."""
+    loop = results.get("agent_loop") or {}
+    servers = loop.get("servers", [])
+    if not servers:
+        return []
+    rows = []
+    for s in servers:
+        for kind, k in s["kinds"].items():
+            sources = k.get("accepted_by_source") or {}
+            rows.append(
+                [
+                    s["server"],
+                    kind,
+                    str(k["num_turns"]),
+                    fmt(k["tau"], 2),
+                    fmt(k["tokens_per_second_p50"], 1),
+                    _ratio_cell(k.get("tokens_per_second_vs_ar")),
+                    _ratio_cell(k.get("tokens_per_second_vs_base")),
+                    str(k["output_tokens"]),
+                    str(k["verify_steps"]),
+                    f"{k.get('expected_calls', 0)}/{k['num_turns']}" if kind == "tool_call" else "–",
+                    " / ".join(str(sources.get(n, 0)) for n in ("drafter", "lookup", "suffix", "grammar"))
+                    if sources
+                    else "–",
+                ]
+            )
+    header = [
+        "server",
+        "turn kind",
+        "turns",
+        "τ",
+        "tok/s p50",
+        "× AR",
+        "× base",
+        "tokens",
+        "steps",
+        "calls as asked",
+        "accepted d/l/s/g",
+    ]
+    e2e = [
+        [
+            s["server"],
+            fmt(s["seconds"], 1),
+            _ratio_cell(s.get("speedup_vs_ar")),
+            _ratio_cell(s.get("speedup_vs_base")),
+            "–" if s.get("num_mismatches") is None else str(s["num_mismatches"]),
+            str(s["num_errors"]),
+        ]
+        for s in servers
+    ]
+    lines = [
+        f"{len(loop['conversations'])} scripted conversations ({', '.join(loop['conversations'])}), "
+        f"{loop['turns']} turns, T = 0, at most {loop['max_tokens']} output tokens per reply, one request at a time; "
+        "× AR / × base: tok/s p50 against the autoregressive server / against dflash2-base; accepted tokens by "
+        "draft source: drafter / lookup / suffix / grammar (– where the server does not report sources); calls as "
+        "asked: tool-call turns whose reply made the call the user message asked for.",
+        "",
+        *table(header, rows),
+        "",
+        *table(["server", "end to end s", "speedup vs AR", "vs base", "turns ≠ AR", "errors"], e2e),
+    ]
+    for s in servers:
+        for m in s.get("mismatches", [])[:3]:
+            lines.append(
+                f"- {s['server']} differs from AR at conversation {m['conversation']}, turn {m['turn']} "
+                f"({m['kind']}): `{m['output'][:80]!r}` vs `{m['reference'][:80]!r}`"
+            )
+    return lines
+
+
 def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     """The whole report."""
     config = results["config"]
@@ -336,10 +412,14 @@ def render_markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     agents = agents_table(results)
     if agents:
         lines += ["", "## Agent workload (prefix cache)", "", *agents, ""]
+    loop = agent_loop_table(results)
+    if loop:
+        lines += ["", "## Agent loop (tool calls, JSON and text turns)", "", *loop, ""]
     notes = (
         results.get("notes", [])
         + results.get("serving", {}).get("notes", [])
         + results.get("agents", {}).get("notes", [])
+        + results.get("agent_loop", {}).get("notes", [])
     )
     if notes:
         lines += ["", "## Notes", "", *[f"- {n}" for n in notes]]

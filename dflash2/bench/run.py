@@ -1,4 +1,4 @@
-"""``run_bench``: the whole benchmark in order: machine, workload, single stream, serving, report."""
+"""``run_bench``: the whole benchmark in order: machine, workload, single stream, serving, agents, report."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def config_summary(config: BenchConfig) -> dict[str, Any]:
         "agent_conversations": config.agent_conversations,
         "agent_turns": config.agent_turns,
         "agent_max_tokens": config.agent_max_tokens,
+        "agent_loop": config.agent_loop,
+        "agent_loop_servers": list(config.agent_loop_servers),
+        "agent_loop_conversations": config.agent_loop_conversations,
+        "agent_loop_max_tokens": config.agent_loop_max_tokens,
         "enforce_eager": e.enforce_eager,
         "eager_rows": config.eager_rows,
         "adaptive_rows": config.adaptive_rows,
@@ -100,6 +104,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = logger.info
         from dflash2.bench.agents import run_agents
 
         results["agents"] = run_agents(config, workload.folder, log_dir, progress)
+    if config.agent_loop:
+        from dflash2.bench.agent_loop import run_agent_loop
+
+        results["agent_loop"] = run_agent_loop(config, log_dir, progress)
     for path in write_report(config.out, results):
         progress(f"wrote {path}")
     return results
