@@ -169,6 +169,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._byte_tokens: dict[int, int] | None = None  # byte → its single-byte token
         self._by_bytes: dict[bytes, list[int]] | None = None  # a token's bytes → the tokens with those bytes
+        self._longest: int | None = None  # the most bytes a token spells
         self._specials: torch.Tensor | None = None  # the special tokens (a closing path may start with one)
 
     @property
@@ -277,7 +278,10 @@ class GrammarBackend:
             keep = lead[:1]
         else:
             by_bytes = self._tokens_by_bytes()
-            prefixes = [(k, by_bytes.get(path[:k], [])) for k in range(1, len(path) + 1)]
+            # Only the path's prefixes that are tokens (a handful: tokens are short) need the rest tokenized.
+            prefixes = [
+                (k, ids) for k in range(1, min(len(path), self._longest_token()) + 1) if (ids := by_bytes.get(path[:k]))
+            ]
             keep = [t for k, ids in prefixes if len(tokenizer.tokenize_bytes(path[k:])) <= left - 1 for t in ids]
             if not keep:  # too late to fit: close as fast as the path goes
                 keep = [t for _, ids in prefixes for t in ids]
@@ -374,6 +378,12 @@ class GrammarBackend:
             ]
             self._specials = torch.tensor(ids, dtype=torch.int64)
         return self._specials
+
+    def _longest_token(self) -> int:
+        """The most bytes any token spells (computed once)."""
+        if self._longest is None:
+            self._longest = max(map(len, self._tokens_by_bytes()), default=0)
+        return self._longest
 
     def _tokens_by_bytes(self) -> dict[bytes, list[int]]:
         if self._by_bytes is None:

@@ -383,6 +383,9 @@ class SpeculationPolicy:
             return None
         span = lookup.width - 1
         num_drafts = [min(n, span) for n in lookup_limits]
+        if self.spec.grammar_forced_drafts:  # a grammar row's walk may go on with the forced tokens after them
+            full = self.num_drafts(rows)
+            num_drafts = [f if r.matcher is not None and n else n for r, n, f in zip(rows, num_drafts, full)]
         proposal = _one_hot([d[:span] for d in drafts], self.spec.device)
         return Plan(
             DraftSource.LOOKUP, lookup.width, num_drafts, lookup.predicted_tokens, proposal, row_sources=free.sources
