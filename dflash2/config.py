@@ -20,7 +20,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DRAFT_QUANTIZATION_CHOICES = ("none", "int8", "int4")
 DEFAULT_PROMPT_LOOKUP_MAX = 4  # the longest n-gram prompt lookup matches when prompt_lookup_max is None
 DEFAULT_PROMPT_LOOKUP_MIN = 2  # the shortest, when prompt_lookup_min is None
-DEFAULT_SUFFIX_MAX_CACHED_REQUESTS = 256  # earlier outputs suffix decoding keeps, when not given
+SUGGESTED_SUFFIX_MAX_CACHED_REQUESTS = 256  # earlier outputs to keep when turning suffix decoding on
 DEFAULT_SUFFIX_MAX_CACHED_TOKENS = 65_536  # and the most tokens they hold in all (~40 MB of index)
 # The longest n-gram either bound may name: each request indexes (max − min + 1) n-grams of up to max
 # tokens per token of its context, so memory grows with the context length times max².
@@ -81,9 +81,11 @@ class EngineConfig:
             outputs (suffix decoding, ``dflash2/spec/suffix.py``; vLLM's ``suffix_decoding_max_cached_requests``):
             the outputs of the most recent finished requests, at most this many and this many tokens
             in all, from which any row's last tokens retrieve a continuation, priced beside prompt lookup
-            by the adaptive policy. None (the default): ``DEFAULT_SUFFIX_MAX_CACHED_REQUESTS`` where the
-            engine speculates adaptively, else off; 0: off; a positive count where the engine does not
-            speculate adaptively is an error.
+            by the adaptive policy. 0 (the default): off — measured, it gained nothing on the agent loop,
+            where each request's own history holds the repeats, and lost a few percent on two of the four
+            prompt sets (docs/engine.md); ``SUGGESTED_SUFFIX_MAX_CACHED_REQUESTS`` is a good start where
+            requests repeat each other's outputs. A positive count where the engine does not speculate
+            adaptively is an error.
         speculative_topk: branching of the token tree a drafted step verifies (SGLang's
             ``--speculative-eagle-topk``; ``dflash2/spec/tree.py``): the beam keeps this many paths
             per depth through the selector lattice. 1 (the default): one path, the chain.
@@ -126,7 +128,7 @@ class EngineConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     grammar_forced_drafts: bool = True
-    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_cached_requests: int = 0
     suffix_decoding_max_cached_tokens: int = DEFAULT_SUFFIX_MAX_CACHED_TOKENS
     speculative_topk: int = 1
     speculative_num_draft_tokens: int | None = None
@@ -208,7 +210,7 @@ class EngineConfig:
 
     def _check_suffix_decoding(self) -> None:
         requests, tokens = self.suffix_decoding_max_cached_requests, self.suffix_decoding_max_cached_tokens
-        if requests is not None and requests < 0:
+        if requests < 0:
             raise ValueError(
                 "suffix_decoding_max_cached_requests (--suffix-decoding-max-cached-requests) must be 0 (off) or more"
             )
@@ -330,8 +332,6 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
             "speculate (block size 1 or no drafter); set --suffix-decoding-max-cached-requests 0"
         )
     suffix_requests = config.suffix_decoding_max_cached_requests
-    if suffix_requests is None:
-        suffix_requests = DEFAULT_SUFFIX_MAX_CACHED_REQUESTS
     longest, shortest = config.prompt_lookup_bounds
     device = embed_weight.device
     tree_topk, tree_nodes = _tree(config, target, drafter, block_size)

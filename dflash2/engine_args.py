@@ -15,12 +15,12 @@ from typing import Any
 from dflash2.config import (
     DEFAULT_PROMPT_LOOKUP_MAX,
     DEFAULT_PROMPT_LOOKUP_MIN,
-    DEFAULT_SUFFIX_MAX_CACHED_REQUESTS,
     DEFAULT_SUFFIX_MAX_CACHED_TOKENS,
     DRAFT_QUANTIZATION_CHOICES,
     DTYPES,
     MAX_PROMPT_LOOKUP_N,
     QUANTIZATION_CHOICES,
+    SUGGESTED_SUFFIX_MAX_CACHED_REQUESTS,
     EngineConfig,
 )
 
@@ -218,9 +218,10 @@ def add_engine_args(parser: argparse.ArgumentParser, omit: Sequence[str] = ()) -
         type=int,
         default=_DEFAULTS.suffix_decoding_max_cached_requests,
         metavar="N",
-        help="drafts from earlier outputs: keep the outputs of the last N finished requests, from which any "
-        "request's last tokens retrieve a continuation, priced beside prompt lookup by the adaptive policy "
-        f"(default: {DEFAULT_SUFFIX_MAX_CACHED_REQUESTS} with adaptive speculation, else off; 0: off)",
+        help="drafts from earlier outputs (suffix decoding): keep the outputs of the last N finished requests, from "
+        "which any request's last tokens retrieve a continuation, priced beside prompt lookup by the adaptive "
+        f"policy; needs adaptive speculation (default: 0, off; {SUGGESTED_SUFFIX_MAX_CACHED_REQUESTS} is a good "
+        "start where requests repeat each other's outputs)",
     )
     g.add_argument(
         "--suffix-decoding-max-cached-tokens",

@@ -1,11 +1,12 @@
 """Prompt lookup's gain, measured in one process: engines with and without it, requests interleaved.
 
 Builds an autoregressive engine, an adaptive DFlash 2 engine without prompt lookup, one per
-``--lookup MAX,MIN`` pair (these three without drafts from earlier outputs) and the default engine
-(prompt lookup 4 … 2 and drafts from earlier outputs, ``dflash2/spec/suffix.py``), all compiled, batch 1,
+``--lookup MAX,MIN`` pair, and the default lookup (4 … 2) with drafts from earlier outputs added
+(``--suffix-decoding-max-cached-requests 256``, ``dflash2/spec/suffix.py``), all compiled, batch 1,
 greedy; then decodes every prompt of the four prompt sets with each engine in turn and prints
-milliseconds per token and the speed-up over the autoregressive engine, per set and overall. Interleaving puts a slow stretch of the host on every
-engine alike; ``dflash2 bench`` measures the same rows in separate processes.
+milliseconds per token and the speed-up over the autoregressive engine, per set and overall.
+Interleaving puts a slow stretch of the host on every engine alike; ``dflash2 bench`` measures the
+same rows in separate processes.
 
     .venv/bin/python scripts/prompt_lookup_ab.py --data data/smollm2-135m --lookup 4,2 4,3
 """
@@ -41,7 +42,7 @@ def main() -> None:
             "prompt_lookup_min": shortest,
             **no_suffix,
         }
-    configs["default (+ earlier outputs)"] = {}
+    configs["lookup 4…2 + earlier outputs"] = {"suffix_decoding_max_cached_requests": 256}
     common = {"max_num_seqs": 1, "max_model_len": 2048, "num_threads": args.threads, "adaptive_threads": False}
     engines = {name: LLM(**common, **config) for name, config in configs.items()}
     tokenizer = engines["ar"].engine.tokenizer

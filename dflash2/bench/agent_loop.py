@@ -15,9 +15,9 @@ three kinds:
 
 Every request carries the whole history and the same tools (``tool_choice: none`` on json and text
 turns), at T = 0, ``max_tokens`` = ``agent_loop_max_tokens``, not streamed. The servers
-(``AGENT_LOOP_SERVERS`` in ``config.py``: autoregressive, the speculative default and the default
-without some draft sources) are started one after another; each runs the conversations one after
-another after one warm-up request.
+(``AGENT_LOOP_SERVERS`` in ``config.py``: autoregressive, the speculative default, with drafts from
+earlier outputs added, and without some draft sources) are started one after another; each runs the
+conversations one after another after one warm-up request.
 
 Reported per server and turn kind: τ = (accepted + verify steps) / verify steps from the response's
 ``dflash2`` object, output tok/s p50 (completion tokens / request seconds), tokens, verify steps and
@@ -43,6 +43,7 @@ import httpx
 from dflash2.bench.config import AGENT_LOOP_BASE, AGENT_LOOP_SERVERS, AR, BenchConfig
 from dflash2.bench.serving import ServerSpec, process_peak_rss_bytes, started_server
 from dflash2.bench.stats import median, ratio
+from dflash2.outputs import DRAFT_SOURCE_NAMES
 
 Progress = Callable[[str], None]
 Message = dict[str, Any]
@@ -51,7 +52,7 @@ Send = Callable[[dict[str, Any]], tuple[dict[str, Any], float]]
 
 TOOL_CALL, JSON, TEXT = "tool_call", "json", "text"
 TURN_KINDS = (TOOL_CALL, JSON, TEXT)
-DRAFT_SOURCES = ("drafter", "lookup", "suffix", "grammar")
+DRAFT_SOURCES = DRAFT_SOURCE_NAMES
 
 
 def _function(name: str, description: str, properties: dict[str, Any], required: Sequence[str]) -> dict[str, Any]:

@@ -33,9 +33,9 @@ ENGINE, TRANSFORMERS, LLAMA = "engine", "transformers", "llama.cpp"
 #: flags). ``dflash2`` is the speculative default with every draft source; the others turn sources off.
 AGENT_LOOP_SERVERS: dict[str, tuple[bool, tuple[str, ...]]] = {
     AR: (False, ()),
-    DFLASH2: (True, ()),
+    DFLASH2: (True, ()),  # the server's default: grammar-forced drafts on, earlier outputs off
+    "dflash2-suffix": (True, ("--suffix-decoding-max-cached-requests", "256")),
     "dflash2-no-grammar": (True, ("--no-grammar-forced-drafts",)),
-    "dflash2-no-suffix": (True, ("--suffix-decoding-max-cached-requests", "0")),
     "dflash2-base": (True, ("--no-grammar-forced-drafts", "--suffix-decoding-max-cached-requests", "0")),
 }
 #: The agent-loop server without the grammar-forced and suffix draft sources (a ratio's reference).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dflash2 import LLM, SamplingParams
+from dflash2.config import EngineConfig
 from dflash2.grammar import json_schema_grammar, lark_grammar
 from dflash2.models import loader, source
 from dflash2.outputs import DRAFT_SOURCE_NAMES
@@ -165,7 +166,16 @@ def test_greedy_with_earlier_output_drafts_equals_autoregressive(topk):
     prompts = [[1, 2, 3], [1, 2, 3], [9, 4]]
     reference = LLM.from_engine(tiny_engine(target, None)).generate(prompts, params)
     tree = {"speculative_topk": topk, "speculative_num_draft_tokens": 12} if topk > 1 else {}
-    engine = adaptive(tiny_engine(target, drafter, 8, speculative_adaptive=True, prompt_lookup_max=0, **tree), 0.002)
+    engine = tiny_engine(
+        target,
+        drafter,
+        8,
+        speculative_adaptive=True,
+        prompt_lookup_max=0,
+        suffix_decoding_max_cached_requests=64,
+        **tree,
+    )
+    adaptive(engine, 0.002)
     llm = LLM.from_engine(engine)
     first = llm.generate(prompts[0], params)[0]
     assert first.token_ids == reference[0].token_ids
@@ -176,9 +186,11 @@ def test_greedy_with_earlier_output_drafts_equals_autoregressive(topk):
     assert engine.policy.suffix_index is not None and engine.policy.suffix_index.num_requests >= 1
 
 
-def test_earlier_output_drafts_are_off_with_zero_requests():
+def test_earlier_output_drafts_are_off_by_default_and_need_adaptive_speculation():
     target = tiny_target(vocab_size=16, seed=5)
-    engine = tiny_engine(
-        target, tiny_drafter(target, 2, 8), 8, speculative_adaptive=True, suffix_decoding_max_cached_requests=0
-    )
+    engine = tiny_engine(target, tiny_drafter(target, 2, 8), 8, speculative_adaptive=True)
     assert engine.policy.suffix_index is None
+    with pytest.raises(ValueError, match="needs adaptive speculation"):
+        EngineConfig(suffix_decoding_max_cached_requests=8, speculative_adaptive=False)
+    with pytest.raises(ValueError, match="block size 1"):
+        EngineConfig(suffix_decoding_max_cached_requests=8, block_size=1)
