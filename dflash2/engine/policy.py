@@ -386,7 +386,7 @@ class SpeculationPolicy:
         if self.spec.grammar_forced_drafts:  # a grammar row's walk may go on with the forced tokens after them
             full = self.num_drafts(rows)
             num_drafts = [f if r.matcher is not None and n else n for r, n, f in zip(rows, num_drafts, full)]
-        proposal = _one_hot([d[:span] for d in drafts], self.spec.device)
+        proposal = one_hot_proposal([d[:span] for d in drafts], self.spec.device)
         return Plan(
             DraftSource.LOOKUP, lookup.width, num_drafts, lookup.predicted_tokens, proposal, row_sources=free.sources
         )
@@ -523,10 +523,10 @@ def with_forced(acceptance: list[float], num_forced: int) -> list[float]:
     return [FORCED_ACCEPTANCE] * num_forced + acceptance[num_forced:]
 
 
-def _one_hot(drafts: list[list[int]], device: torch.device) -> Proposal:
+def one_hot_proposal(drafts: list[list[int]], device: torch.device) -> Proposal:
     """The proposal of drafts chosen without a distribution (copied or forced): one-hot on each draft,
     rows padded to the longest (the padding is never verified)."""
     span = max(map(len, drafts), default=0)
-    draft_ids = torch.tensor([(d + [d[-1] if d else 0] * span)[:span] for d in drafts], device=device)
-    draft_ids = draft_ids.view(len(drafts), span)
+    padded = [(d + [d[-1] if d else 0] * span)[:span] for d in drafts]
+    draft_ids = torch.tensor(padded, dtype=torch.long, device=device).view(len(drafts), span)
     return Proposal(draft_ids, draft_ids[..., None], torch.ones(len(drafts), span, 1, device=device))

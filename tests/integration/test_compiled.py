@@ -66,7 +66,9 @@ def test_compiled_greedy_at_every_verify_width_equals_autoregressive(compiled_sp
     """Steps at every width 1 … B in turn (as adaptive speculation chooses them): the drafter's block
     and the selector follow the width, and the text stays the target's own."""
     widths = itertools.cycle([2, 5, 1, 8, 3, 4, 7, 6])
-    monkeypatch.setattr(compiled_spec.policy, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
+    monkeypatch.setattr(
+        compiled_spec.policy, "_choose_width", lambda rows, limits, forced: WidthChoice(next(widths), 0.0, {})
+    )
     steps = []
     llm = LLM.from_engine(compiled_spec)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, on_step=lambda r: steps.append(r.stats))] == reference
@@ -321,7 +323,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(monkeypatch):
     engine = compiled(tiny_engine(target, drafter, 4, max_num_seqs=64, enforce_eager=False))
     assert engine.runner.compiled
     widths = itertools.cycle([3, 4, 2])
-    monkeypatch.setattr(engine.policy, "_choose_width", lambda rows, limits: WidthChoice(next(widths), 0.0, {}))
+    monkeypatch.setattr(engine.policy, "_choose_width", lambda rows, limits, forced: WidthChoice(next(widths), 0.0, {}))
     base = SAMPLING_CASES["temperature"]
     params = [SamplingParams(**{**base.__dict__, "seed": i}) for i in range(3000)]
     outputs = LLM.from_engine(engine).generate([PROMPT] * len(params), params)

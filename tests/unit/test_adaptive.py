@@ -6,7 +6,9 @@ import math
 import random
 
 import pytest
+import torch
 
+from dflash2.engine.policy import one_hot_proposal
 from dflash2.spec import adaptive
 from dflash2.spec.adaptive import (
     AcceptanceEstimate,
@@ -343,3 +345,13 @@ def test_tree_costs_borrow_the_chain_factors_until_a_tree_step_is_timed():
     assert model.seconds(1, 4) == pytest.approx((0.012 + 0.003) * chain)  # not lent to chains
     model.observe(1, 1, verify_seconds=0.010, draft_seconds=0.0)
     assert model.tree_seconds(1, 4) == pytest.approx((0.016 + 0.004) * (tree + adaptive.COST_RELAX * (1 - tree)))
+
+
+def test_a_one_hot_proposal_of_no_drafts_has_integer_ids():
+    """Rows near their limits may all propose nothing: the ids stay int64 (acceptance counts are slice
+    indices), shaped [R, 0]; shorter rows are padded to the longest."""
+    empty = one_hot_proposal([[], []], torch.device("cpu"))
+    assert empty.draft_ids.dtype == torch.long and tuple(empty.draft_ids.shape) == (2, 0)
+    padded = one_hot_proposal([[5, 6], []], torch.device("cpu"))
+    assert padded.draft_ids.tolist() == [[5, 6], [0, 0]]
+    assert padded.draft_probs.shape == (2, 2, 1) and bool((padded.candidate_ids[..., 0] == padded.draft_ids).all())
