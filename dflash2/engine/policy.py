@@ -49,8 +49,6 @@ class DraftSource(enum.Enum):
     NONE = "none"  # an autoregressive step (block size 1, or the policy chose width 1)
 
 
-# Where a step's drafts come from, per draft: the sources a drafted token is counted under.
-DRAFT_SOURCES = (DraftSource.DRAFTER, DraftSource.LOOKUP, DraftSource.SUFFIX, DraftSource.GRAMMAR)
 # The acceptance the policy expects of a grammar-forced draft: the target's masked distribution puts all
 # of its mass on the forced bytes, though it may spell them with other tokens than the canonical ones.
 FORCED_ACCEPTANCE = 0.98
@@ -336,15 +334,16 @@ class SpeculationPolicy:
             return None
         free = FreeDrafts([], [], [len(run) for run in forced])
         for request, limit, run in zip(rows, limits, forced):
-            tail = [*request.prompt_ids[-SUFFIX_MAX_N:], *request.output_ids[-SUFFIX_MAX_N:], *run]
-            draft, source = [], DraftSource.GRAMMAR
+            draft: list[int] = []
+            source = DraftSource.GRAMMAR  # the forced run alone, or nothing
             if request.lookup is not None:
                 request.lookup.sync(request.output_ids)
-                draft, source = request.lookup.propose(limit - len(run), run), DraftSource.LOOKUP
+                draft = request.lookup.propose(limit - len(run), run)
+                source = DraftSource.LOOKUP if draft else source
             if not draft and self.suffix_index is not None:
-                draft, source = self.suffix_index.propose(tail, limit - len(run)), DraftSource.SUFFIX
-            if not draft and run:
-                source = DraftSource.GRAMMAR
+                tail = [*request.prompt_ids[-SUFFIX_MAX_N:], *request.output_ids[-SUFFIX_MAX_N:], *run]
+                draft = self.suffix_index.propose(tail, limit - len(run))
+                source = DraftSource.SUFFIX if draft else source
             free.drafts.append([*run, *draft])
             free.sources.append(source)
         return free
