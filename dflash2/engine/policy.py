@@ -100,6 +100,13 @@ class Plan:
     branches: list[list[int]] | None = None
     row_sources: list[DraftSource] | None = None
 
+    def source_of(self, row: int) -> DraftSource:
+        """Where ``row``'s drafts come from on this step (a free-draft step's row source; grammar-forced
+        positions inside them are marked by the executor's walk)."""
+        if self.source is DraftSource.LOOKUP and self.row_sources is not None:
+            return self.row_sources[row]
+        return self.source
+
     @property
     def verify_width(self) -> int:
         """Tokens per row of the verify forward: the anchor and the most drafts any row verifies."""

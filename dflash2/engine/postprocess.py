@@ -81,10 +81,7 @@ class Postprocessor:
             if verified.branch_accepted is not None and (held := verified.branch_accepted[i]) is not None:
                 assert plan.row_sources is not None
                 branch = (plan.row_sources[i], *held)
-            source = DraftSource.DRAFTER
-            if plan.source is DraftSource.LOOKUP:
-                assert plan.row_sources is not None
-                source = plan.row_sources[i]
+            source = plan.source_of(i) if plan.source is DraftSource.LOOKUP else DraftSource.DRAFTER
             forced = verified.forced[i] if verified.forced is not None else None
             self.policy.observe(request, num_drafts, drafted, source, forced, spine, branch)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step
@@ -221,10 +218,7 @@ def _draft_sources(verified: Verified, row: int) -> list[DraftSource]:
     step's row source; on a tree step the nodes after the drafter's accepted ones are the branch's)."""
     plan = verified.plan
     num_drafts = verified.drafts_per_row[row]
-    source = plan.source
-    if plan.source is DraftSource.LOOKUP and plan.row_sources is not None:
-        source = plan.row_sources[row]
-    sources = [source] * num_drafts
+    sources = [plan.source_of(row)] * num_drafts
     if verified.tree_accepted is not None and plan.row_sources is not None and plan.branches is not None:
         branch = plan.row_sources[row]
         for j in range(verified.tree_accepted[row], min(verified.num_accepted[row], num_drafts)):
