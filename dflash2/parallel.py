@@ -7,9 +7,9 @@
 
 Rank 0 alone runs the scheduler, the drafter (which it keeps whole: it is small), the selector, the
 adaptive policy and every sampling decision. Its :class:`~dflash2.runner.ModelRunner` sends each target
-forward — prefill, verify, token-tree verify — to the workers before running it itself, so every rank
+forward — prefill, verify (chains and token trees) — to the workers before running it itself, so every rank
 runs the same forwards in the same order; the K/V bookkeeping that touches no collective (a tree's
-commit, a prefix copy, rollback, a freed slot) rides along with the next forward's message. Messages go
+commit, a prefix copy, a freed slot) rides along with the next forward's message. Messages go
 over one ``multiprocessing`` pipe per worker: a worker waits on it without a timeout however long the
 server idles, and sees end-of-file when rank 0 exits.
 
@@ -50,9 +50,7 @@ COLLECTIVE_TIMEOUT_SECONDS = 300
 # Rank 0 waits this long for a worker to load its shard and build its runner.
 START_TIMEOUT_SECONDS = 1800
 # ModelRunner methods a worker runs when rank 0 asks (the forwards, and the cache bookkeeping).
-WORKER_METHODS = frozenset(
-    {"prefill", "verify", "verify_tree", "commit_tree", "copy_prefix", "rollback", "free", "slot_lengths"}
-)
+WORKER_METHODS = frozenset({"prefill", "verify", "commit", "copy_prefix", "free"})
 
 
 class TensorParallelError(RuntimeError):

@@ -44,6 +44,7 @@ from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.drafter_factory import drafter_config_for_target
 from dflash2.models.llama import TargetModel
 from dflash2.runner import ModelRunner
+from dflash2.spec.tree import TokenTree
 
 TAU = 4.8  # the seed paper's average acceptance length at B = 8 (Qwen3 8B-27B targets)
 
@@ -160,8 +161,7 @@ def time_runner(
     runner = ModelRunner(target, drafter, 1, 2048, block_size, enforce_eager=eager)
     context = 1024
     runner.prefill([0], [list(range(context))], [0])
-    runner.target_cache.rollback(0, context)
-    tokens = [[5] * block_size]
+    tokens = [TokenTree.chain([5] * block_size)]
     result = {"compile_s": sum(runner.compile_times.values())}
     with torch.inference_mode():
         result["verify_ms"] = timed(lambda: runner.verify([0], tokens, [context]), device)
@@ -179,23 +179,20 @@ TREE_NODES = (8, 16, 32, 64)
 
 
 def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, float]:
-    """Milliseconds of one tree-masked verify forward (``ModelRunner.verify_tree``) at batch 1 after 1024
-    tokens, for each node count in :data:`TREE_NODES` (a binary tree: node i's parent is (i − 1) // 2).
+    """Milliseconds of one tree-masked verify forward (``ModelRunner.verify`` of a branching tree) at batch 1
+    after 1024 tokens, for each node count in :data:`TREE_NODES` (a binary tree: node i's parent is (i − 1) // 2).
     Compiled: CUDA graphs recorded per node bucket (``dflash2.runner.cache.node_buckets``) on CUDA, one
     dynamic inductor graph on CPU."""
-    from dflash2.spec.tree import TokenTree
-
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, 8)
     runner = ModelRunner(target, drafter, 1, 2048, 8, enforce_eager=eager, tree_nodes=max(TREE_NODES) - 1)
     context = 1024
     runner.prefill([0], [list(range(context))], [0])
-    runner.target_cache.rollback(0, context)
     result = {}
     with torch.inference_mode():
         for n in TREE_NODES:
             tree = TokenTree([5] * n, [-1, *((i - 1) // 2 for i in range(1, n))])
-            result[n] = timed(lambda tree=tree: runner.verify_tree([0], [tree], [context]), device)
+            result[n] = timed(lambda tree=tree: runner.verify([0], [tree], [context]), device)
     return result
 
 
@@ -227,7 +224,7 @@ def tp_rank(rank: int, port: int, config: Any, device_type: str, results: Any) -
         runner = ModelRunner(target, None, 1, 2048, 8, enforce_eager=mode == "eager")
         runner.prefill([0], [list(range(context))], [0])
         with torch.inference_mode():
-            out[mode] = timed(lambda runner=runner: runner.verify([0], [[5] * 8], [context]), device)
+            out[mode] = timed(lambda runner=runner: runner.verify([0], [TokenTree.chain([5] * 8)], [context]), device)
         del runner, target
     hidden = torch.randn(1, 8, config.hidden_size, dtype=torch.bfloat16, device=device)
     logits = torch.randn(1, 8, -(-config.vocab_size // TP_RANKS), dtype=torch.bfloat16, device=device)

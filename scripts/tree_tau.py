@@ -53,7 +53,7 @@ def main() -> None:
             speculative_num_draft_tokens=nodes if topk > 1 else None,
         )
         if args.no_calibration:  # a prior so heavy that every offset stays 0
-            llm.engine.executor.tree_calibration = TreeCalibration(7, prior_weight=1e12)
+            llm.engine.policy.tree_calibration = TreeCalibration(7, prior_weight=1e12)
         tokenizer = llm.engine.tokenizer
         per_set = {}
         for name, conversations in sets.items():

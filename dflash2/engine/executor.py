@@ -1,6 +1,7 @@
 """The forwards of one step, as the plan says: prefill and each prompt's first token; the proposal
-(drafter, prompt lookup or none) and ONE verify forward with acceptance. Nothing here commits: the
-results go to :mod:`dflash2.engine.postprocess`.
+(drafter chain or tree, prompt lookup, earlier outputs, grammar-forced tokens, or none) as a token tree per
+row, ONE verify forward and ONE acceptance. Nothing here commits tokens (the accepted path's K/V is moved
+into place; the committed lengths change in :mod:`dflash2.engine.postprocess`).
 
 Dimension letters: R rows, B block size, J ≤ B − 1 drafted slots, V vocab, F·H captured target features.
 """
@@ -14,16 +15,15 @@ import torch
 
 from dflash2.config import EngineSpec
 from dflash2.engine.context import pending_writes, write_context
-from dflash2.engine.policy import DraftSource, Plan
-from dflash2.engine.prefix_cache import common_prefix_length
+from dflash2.engine.plan import DraftSource, Plan, Verified
 from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of
 from dflash2.grammar import GrammarBackend, walk_drafts
 from dflash2.runner import Drafted, ModelRunner
-from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
+from dflash2.sampling import LogitsContext, sample_from_probs, target_probs
 from dflash2.spec.selector import Proposal
-from dflash2.spec.tree import TokenTree, TreeCalibration, accept_tree, build_trees
-from dflash2.spec.verify import accept_block
+from dflash2.spec.tree import TokenTree, build_trees
+from dflash2.spec.verify import accept
 
 
 @dataclass
@@ -34,58 +34,6 @@ class Prefilled:
     logits: torch.Tensor
     first_ids: list[int]
     grammar_seconds: float
-
-
-@dataclass
-class Verified:
-    """What one decode step's forwards decided, for the commit phase.
-
-    Attributes:
-        plan: the step's plan.
-        starts: each row's cached length before the verify forward.
-        logits: ``[R, L, V]`` raw target logits; features: ``[R, L, F·H]`` or None.
-        draft_lists: per row, the proposed drafts (≥ its ``plan.num_drafts``).
-        num_accepted, next_ids: per row, accepted drafts and the bonus or correction token.
-        draft_seconds, select_seconds, verify_seconds, grammar_seconds: the phases' times;
-        select_in_draft: the selector ran inside the drafting forward (its time is in ``draft_seconds``).
-        tree_nodes: drafted nodes the step verified as token trees (0 for a chain step); ``logits``,
-            ``features`` and ``draft_lists`` then follow each row's accepted path, as a chain's would.
-        spine_accepted: per row of a tree step, the accepted nodes that were their parent's first child
-            (what the chain of first-ranked drafts would have accepted); None for a chain step.
-        tree_accepted: per row of a tree step, the accepted nodes that the drafter proposed (what its
-            tree alone would have accepted; a prompt-lookup branch's own nodes not counted).
-        branch_accepted: per row of a tree step with a prompt-lookup branch, ``(drafts, accepted)``: how
-            many of the branch's drafts the tree held (a branch is cut where the slot ends) and how many
-            of them were accepted (None for a row without one); None without branches.
-        num_drafts: per row, the drafts it verified (the plan's, as the grammar walk left them); None: the
-            plan's.
-        forced: per row of a chain step with grammar-forced drafts, per draft: True where the grammar
-            forced it; None when no row had any.
-    """
-
-    plan: Plan
-    starts: list[int]
-    logits: torch.Tensor
-    features: torch.Tensor | None
-    draft_lists: list[list[int]]
-    num_accepted: list[int]
-    next_ids: list[int]
-    draft_seconds: float = 0.0
-    select_seconds: float = 0.0
-    select_in_draft: bool = False
-    verify_seconds: float = 0.0
-    grammar_seconds: float = 0.0
-    tree_nodes: int = 0
-    spine_accepted: list[int] | None = None
-    tree_accepted: list[int] | None = None
-    branch_accepted: list[tuple[int, int] | None] | None = None
-    num_drafts: list[int] | None = None
-    forced: list[list[bool]] | None = None
-
-    @property
-    def drafts_per_row(self) -> list[int]:
-        """Per row, the drafts it verified."""
-        return self.plan.num_drafts if self.num_drafts is None else self.num_drafts
 
 
 class StepExecutor:
@@ -103,8 +51,6 @@ class StepExecutor:
         self, spec: EngineSpec, runner: ModelRunner, grammar: GrammarBackend | None, eos_token_ids: tuple[int, ...]
     ) -> None:
         self.spec, self.runner, self.grammar, self.eos_token_ids = spec, runner, grammar, eos_token_ids
-        # Token trees: the drafter's log-probabilities calibrated per depth from the trees verified so far.
-        self.tree_calibration = TreeCalibration(max(spec.block_size - 1, 1))
 
     def prefill(self, requests: list[Request]) -> Prefilled:
         """Run the prompts through the target (a cached prefix is not recomputed), write their drafter
@@ -122,18 +68,24 @@ class StepExecutor:
         return Prefilled(logits, sample_from_probs(probs[:, 0], uniforms).tolist(), grammar_seconds)
 
     def decode(self, rows: list[Request], plan: Plan) -> Verified:
-        """The plan's proposal, then ONE target forward over every row's ``[anchor, drafts…]`` and the
-        acceptance decision (lossless rejection sampling; greedy rows take the argmax path)."""
-        draft_seconds = select_seconds = 0.0
-        select_in_draft = False
-        if plan.tree:
-            return self._decode_tree(rows, plan)
+        """The plan's proposal as a token tree per row (a drafted, looked-up or empty chain is a one-branch
+        tree; a tree step's is the beam's), then ONE target forward over the trees, ONE acceptance
+        (lossless rejection sampling; greedy rows take the argmax path) and the accepted path's K/V moved
+        into place. Phases: propose, grammar walk (chains), verify, accept."""
+        slots, starts = [slot_of(r) for r in rows], [r.num_cached for r in rows]
         if plan.source is DraftSource.DRAFTER:
             # A backlog of context (rows that decoded without drafts) is not part of the drafted step's
             # cost: it is due whenever the rows draft next, and charging it here would make each draft
             # after a pause look dearer, so the policy would pause longer. One step's worth is written
             # by the drafting forward itself.
             write_context(self.runner, [r for r in rows if r.pending_context.num_tokens > self.spec.block_size])
+        proposal: Proposal | None = None
+        drafter_nodes = forced = None
+        draft_seconds = select_seconds = grammar_seconds = 0.0
+        select_in_draft = False
+        if plan.tree:
+            trees, drafter_nodes, draft_seconds = self._draft_trees(rows, plan, slots, starts)
+        elif plan.source is DraftSource.DRAFTER:
             drafted = self._draft(rows, plan.width)
             proposal, draft_seconds = drafted.proposal, drafted.draft_seconds
             select_in_draft = drafted.select_seconds is None
@@ -144,37 +96,49 @@ class StepExecutor:
         else:
             proposal = self._no_proposal(len(rows))
         start = time.perf_counter()
-        num_drafts, forced = list(plan.num_drafts), None
-        grammar_seconds = 0.0
-        if self.spec.grammar_forced_drafts and any(r.matcher is not None for r in rows):
-            proposal, num_drafts, forced = self._walk_grammar(rows, proposal, num_drafts)
-            grammar_seconds = time.perf_counter() - start
-        width = max(num_drafts)  # rows near their limits verify shorter blocks
-        draft_lists = proposal.draft_ids[:, :width].tolist()
-        tokens = [[r.output_ids[-1], *draft_lists[i][: num_drafts[i]]] for i, r in enumerate(rows)]
-        starts = [r.num_cached for r in rows]
-        logits, features = self.runner.verify([slot_of(r) for r in rows], tokens, starts)
-        allowed, mask_seconds = self._grammar_masks(rows, [t[1:] for t in tokens], width + 1)
-        greedy = all(r.params.is_greedy for r in rows)
-        uniforms = None if greedy else self._step_uniforms(rows, self.spec.block_size)
-        num_accepted, next_ids = accept_block(
-            logits, self._logits_context(rows), proposal, num_drafts, allowed, uniforms
-        )
+        num_drafts = list(plan.num_drafts)
+        if proposal is not None:  # chains: the grammar walk, then each row's [anchor, drafts…]
+            if self.spec.grammar_forced_drafts and any(r.matcher is not None for r in rows):
+                proposal, num_drafts, forced = self._walk_grammar(rows, proposal, num_drafts)
+                grammar_seconds = time.perf_counter() - start
+            width = max(num_drafts)  # rows near their limits verify shorter blocks
+            draft_lists = proposal.draft_ids[:, :width].tolist()
+            trees = [TokenTree.chain([r.output_ids[-1], *draft_lists[i][: num_drafts[i]]]) for i, r in enumerate(rows)]
+        logits, features = self.runner.verify(slots, trees, starts)
+        num_positions = max(len(tree) for tree in trees)
+        allowed, mask_seconds = self._grammar_masks(rows, [t.token_ids[1:] for t in trees], num_positions)
+        uniforms = None
+        if not all(r.params.is_greedy for r in rows):
+            # The same count per row on every step of a kind, whatever its shape: a chain step's block, a
+            # tree step's most nodes (one per child tried) and one for the next token.
+            draws = self.runner.max_tree_nodes + 1 if plan.tree else self.spec.block_size
+            uniforms = self._step_uniforms(rows, draws)
+        accepted, next_ids = accept(trees, logits, self._logits_context(rows), proposal, allowed, uniforms)
+        for slot, first, nodes in zip(slots, starts, accepted):
+            self.runner.commit(slot, first, nodes)
+        if plan.tree:  # logits, features and drafts along each row's accepted path, as a chain's
+            paths = [[0, *nodes] for nodes in accepted]
+            index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=logits.device)
+            logits = _along(logits, index)
+            features = None if features is None else _along(features, index)
+            draft_lists = [[tree.token_ids[n] for n in nodes] for tree, nodes in zip(trees, accepted)]
         return Verified(
             plan,
             starts,
+            trees,
+            accepted,
+            drafter_nodes,
             logits,
             features,
             draft_lists,
-            num_accepted.tolist(),
-            next_ids.tolist(),
+            next_ids,
+            num_drafts,
+            forced,
             draft_seconds,
             select_seconds,
             select_in_draft,
             time.perf_counter() - start,
             grammar_seconds + mask_seconds,
-            num_drafts=num_drafts,
-            forced=forced,
         )
 
     def _walk_grammar(
@@ -208,17 +172,21 @@ class StepExecutor:
         forced = [[False] * n if walk is None else walk.forced for walk, n in zip(walks, counts)]
         return Proposal(draft_ids, candidate_ids, draft_probs), counts, forced
 
-    def _decode_tree(self, rows: list[Request], plan: Plan) -> Verified:
-        """A drafted step over token trees (``dflash2/spec/tree.py``): the drafter's block and the lattice,
-        each row's tree (the beam's best nodes, at most ``EngineSpec.tree_budget`` of them and its
-        ``plan.num_drafts`` deep), ONE target forward over the trees, lossless acceptance along each tree,
-        and the accepted path's K/V moved into place. The result reads like a chain step's."""
-        runner, device = self.runner, self.spec.device
-        write_context(runner, [r for r in rows if r.pending_context.num_tokens > self.spec.block_size])
-        slots, starts = [slot_of(r) for r in rows], [r.num_cached for r in rows]
+    def _draft_trees(
+        self, rows: list[Request], plan: Plan, slots: list[int], starts: list[int]
+    ) -> tuple[list[TokenTree], list[int], float]:
+        """A tree step's proposal (``dflash2/spec/tree.py``): the drafter's block and the lattice, then each
+        row's tree (the beam's best nodes, at most ``EngineSpec.tree_budget`` of them and its
+        ``plan.num_drafts`` deep) with its prompt-lookup branch, if any, merged in after the drafter's nodes.
+
+        Returns:
+            ``(trees, drafter_nodes, draft_seconds)``: per row its tree and how many of its nodes (the root
+            included) the drafter proposed, and the drafting forward's seconds.
+        """
+        device = self.spec.device
         anchors = [r.output_ids[-1] for r in rows]
-        assert runner.drafting is not None
-        candidate_ids, log_probs, draft_seconds = runner.drafting.draft_lattice(
+        assert self.runner.drafting is not None
+        candidate_ids, log_probs, draft_seconds = self.runner.drafting.draft_lattice(
             slots,
             torch.tensor(anchors, device=device),
             torch.tensor(starts, device=device),
@@ -227,62 +195,19 @@ class StepExecutor:
         )
         for request in rows:  # written by the drafting forward
             request.pending_context.clear()
-        start = time.perf_counter()
         budget = self.spec.tree_budget(plan.width)
         limits = [min(budget, self.spec.max_model_len - s - 1) if n else 0 for s, n in zip(starts, plan.num_drafts)]
-        # A seeded row's tree must not follow the traffic before it: the drafter's own numbers.
-        unseeded = torch.tensor([r.params.seed is None for r in rows], dtype=torch.float32)
-        offsets = (self.tree_calibration.offsets()[None] * unseeded[:, None, None]).to(device)
+        offsets = None
+        if plan.tree_offsets is not None:
+            # A seeded row's tree must not follow the traffic before it: the drafter's own numbers.
+            unseeded = torch.tensor([r.params.seed is None for r in rows], dtype=torch.float32)
+            offsets = (plan.tree_offsets[None] * unseeded[:, None, None]).to(device)
         trees = build_trees(candidate_ids, log_probs, anchors, self.spec.tree_topk, limits, plan.num_drafts, offsets)
-        drafted = [len(tree) for tree in trees]  # the drafter's nodes come first in each tree
+        drafter_nodes = [len(tree) for tree in trees]  # the drafter's nodes come first in each tree
         if plan.branches is not None:  # prompt-lookup drafts as one more branch (nodes beyond the budget)
             room = [self.spec.max_model_len - s for s in starts]
             trees = [t.with_branch(b, n) if b else t for t, b, n in zip(trees, plan.branches, room)]
-        logits, features = runner.verify_tree(slots, trees, starts)
-        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
-        processed = process_logits(logits, self._logits_context(rows), no_drafts)
-        greedy = all(r.params.is_greedy for r in rows)
-        probs = None if greedy else probs_from_logits(processed, [r.params for r in rows])
-        # The same count of uniforms per row on every tree step, whatever the tree's shape: one per child
-        # tried (at most the budget's nodes and a lookup branch's) and one for the next token.
-        uniforms = None if greedy else self._step_uniforms(rows, runner.max_tree_nodes + 1)
-        paths, next_ids, spine, by_drafter = [], [], [], []
-        for i, tree in enumerate(trees):
-            n = len(tree)
-            verdict = accept_tree(
-                tree,
-                None if probs is None or rows[i].params.is_greedy else probs[i, :n],
-                processed[i, :n],
-                None if uniforms is None else uniforms[i],
-            )
-            runner.commit_tree(slots[i], starts[i], verdict.accepted_nodes)
-            self.tree_calibration.observe(tree, verdict.accepted_nodes)
-            paths.append([0, *verdict.accepted_nodes])
-            next_ids.append(verdict.next_id)
-            spine.append(_spine_length(tree, verdict.accepted_nodes, drafted[i]))
-            by_drafter.append(_prefix_below(verdict.accepted_nodes, drafted[i]))
-        branch_accepted = None
-        if plan.branches is not None:
-            branch_accepted = []
-            for tree, path, branch in zip(trees, paths, plan.branches):
-                held = tree.follow(branch)  # a slot's end may have cut the branch
-                branch_accepted.append((len(held), common_prefix_length(path[1:], held)) if branch else None)
-        index = torch.tensor([p + [p[-1]] * (max(map(len, paths)) - len(p)) for p in paths], device=device)
-        return Verified(
-            plan,
-            starts,
-            _along(logits, index),
-            None if features is None else _along(features, index),
-            [[tree.token_ids[n] for n in path[1:]] for tree, path in zip(trees, paths)],
-            [len(p) - 1 for p in paths],
-            next_ids,
-            draft_seconds,
-            verify_seconds=time.perf_counter() - start,
-            tree_nodes=sum(len(tree) - 1 for tree in trees),
-            spine_accepted=spine,
-            tree_accepted=by_drafter,
-            branch_accepted=branch_accepted,
-        )
+        return trees, drafter_nodes, draft_seconds
 
     def _draft(self, rows: list[Request], width: int) -> Drafted:
         """Each row's drafted path over the ``width``-token block: ONE drafter forward from the rows'
@@ -351,22 +276,6 @@ def _uniforms(request: Request, n: int) -> torch.Tensor:
     if request.params.is_greedy:
         return torch.zeros(n)
     return torch.rand(n, generator=request.generator)
-
-
-def _spine_length(tree: TokenTree, accepted_nodes: list[int], drafted: int) -> int:
-    """How many of the accepted nodes, from the root down, are their parent's first (best-ranked) child
-    among the drafter's nodes (the first ``drafted`` of the tree)."""
-    count = 0
-    for node in accepted_nodes:
-        if node >= drafted or tree.children[tree.parents[node]][0] != node:
-            break
-        count += 1
-    return count
-
-
-def _prefix_below(nodes: list[int], limit: int) -> int:
-    """How many of ``nodes``, from the first, are below ``limit``."""
-    return next((i for i, node in enumerate(nodes) if node >= limit), len(nodes))
 
 
 def _along(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -284,7 +284,12 @@ class Engine:
     is_speculative = property(lambda self: self.spec.speculative, doc="True when steps draft blocks (B > 1).")
     prompt_lookup_max = property(lambda self: self.spec.prompt_lookup_max, doc="Longest lookup n-gram (0: off).")
     cost_model = property(lambda self: self.policy.cost_model, doc="The adaptive policy's step costs, or None.")
-    kv_cache_usage = property(lambda self: self.runner.kv_cache_usage, doc="Fraction of target KV positions in use.")
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0–1) of target KV positions holding running requests' committed tokens."""
+        used = sum(r.num_cached for r in self.scheduler.running)
+        return used / (self.spec.max_num_seqs * self.spec.max_model_len)
 
     @property
     def quantization(self) -> str:

@@ -4,7 +4,7 @@ learns from each verify outcome and step timing."""
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.config import EngineSpec
+from dflash2.engine.plan import DraftSource, Plan, Verified
 from dflash2.engine.request import Request
 from dflash2.grammar import forced_tokens
 from dflash2.runner import ModelRunner
@@ -29,6 +30,7 @@ from dflash2.spec.adaptive import (
 from dflash2.spec.prompt_lookup import PromptLookup
 from dflash2.spec.selector import Proposal
 from dflash2.spec.suffix import SuffixIndex
+from dflash2.spec.tree import TreeCalibration
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +39,6 @@ logger = logging.getLogger(__name__)
 COST_CONTEXT = 256
 # The n-grams (longest … shortest) that find a row's last tokens among earlier outputs (suffix decoding).
 SUFFIX_MAX_N, SUFFIX_MIN_N = 6, 2
-
-
-class DraftSource(enum.Enum):
-    """Where a step's drafts come from."""
-
-    DRAFTER = "drafter"  # one drafter forward over the rows' blocks, then the selector's walk
-    LOOKUP = "lookup"  # copied from each row's own earlier tokens (no drafter forward)
-    SUFFIX = "suffix"  # copied from earlier requests' outputs (no drafter forward; dflash2/spec/suffix.py)
-    GRAMMAR = "grammar"  # forced by the row's grammar (dflash2.grammar.walk_drafts)
-    NONE = "none"  # an autoregressive step (block size 1, or the policy chose width 1)
 
 
 # The acceptance the policy expects of a grammar-forced draft: the target's masked distribution puts all
@@ -68,49 +60,6 @@ class FreeDrafts:
     drafts: list[list[int]]
     sources: list[DraftSource]
     num_forced: list[int]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One decode step's speculation, decided before any forward.
-
-    Attributes:
-        source: where the drafts come from: the drafter, none, or LOOKUP for a step without a drafter
-            forward whose rows verify free drafts (prompt lookup, earlier outputs, grammar-forced tokens;
-            ``row_sources`` says which per row).
-        width: W, tokens per row of the drafted block (anchor included; the drafter's block width).
-        num_drafts: per row, the drafts it verifies (≤ W − 1; fewer near ``max_tokens`` or the slot's end).
-        predicted_tokens: tokens the adaptive policy expects the rows to commit (0 without the policy).
-        lookup: the prompt-lookup proposal (one-hot on the copied tokens) when ``source`` is LOOKUP.
-        tree: the drafter's step verifies token trees (``dflash2/spec/tree.py``) of
-            ``EngineSpec.tree_budget(width)`` nodes per row, ``num_drafts`` deep, rather than chains.
-        branches: for a tree step with prompt lookup on, each row's lookup draft (≤ its ``num_drafts``;
-            empty: none), verified as one more branch of the row's tree; None otherwise.
-        row_sources: per row, where its free drafts come from (a LOOKUP step's drafts, a tree step's
-            branch): LOOKUP, SUFFIX, or GRAMMAR for a row whose drafts are only forced tokens; None otherwise.
-            The grammar's forced tokens inside any row's drafts are marked by the executor's walk.
-    """
-
-    source: DraftSource
-    width: int
-    num_drafts: list[int]
-    predicted_tokens: float = 0.0
-    lookup: Proposal | None = None
-    tree: bool = False
-    branches: list[list[int]] | None = None
-    row_sources: list[DraftSource] | None = None
-
-    def source_of(self, row: int) -> DraftSource:
-        """Where ``row``'s drafts come from on this step (a free-draft step's row source; grammar-forced
-        positions inside them are marked by the executor's walk)."""
-        if self.source is DraftSource.LOOKUP and self.row_sources is not None:
-            return self.row_sources[row]
-        return self.source
-
-    @property
-    def verify_width(self) -> int:
-        """Tokens per row of the verify forward: the anchor and the most drafts any row verifies."""
-        return max(self.num_drafts) + 1
 
 
 class SpeculationPolicy:
@@ -140,6 +89,8 @@ class SpeculationPolicy:
         self.cost_model = self._measure_costs(runner, quick=quick) if spec.adaptive else None
         self.acceptance = AcceptanceTracker(spec.block_size - 1)
         self.tree_acceptance = AcceptanceTracker(spec.block_size - 1, prior=TREE_PRIOR_ACCEPTANCE)
+        # Token trees: the drafter's log-probabilities calibrated per depth from the trees verified so far.
+        self.tree_calibration = TreeCalibration(max(spec.block_size - 1, 1))
         self.lookup_acceptance = AcceptanceTracker(spec.block_size - 1)
         self.suffix_acceptance = AcceptanceTracker(spec.block_size - 1)
         # Drafts from earlier outputs: finished requests' outputs, bounded (dflash2/spec/suffix.py).
@@ -223,7 +174,17 @@ class SpeculationPolicy:
     # ---- before the step ---------------------------------------------------------------------
 
     def plan(self, rows: list[Request]) -> Plan:
-        """This step's plan for ``rows`` (they decode together).
+        """This step's plan for ``rows`` (they decode together); a tree step's carries the calibration
+        its beam scores nodes with (:attr:`tree_calibration`).
+
+        See :meth:`_plan`."""
+        plan = self._plan(rows)
+        if plan.tree:
+            return dataclasses.replace(plan, tree_offsets=self.tree_calibration.offsets())
+        return plan
+
+    def _plan(self, rows: list[Request]) -> Plan:
+        """This step's plan for ``rows``, before the tree calibration is attached.
 
         With the adaptive policy the candidates are: no draft or a chain of the best width
         (``choose_width``), a token tree of the best width where trees are on, its prediction counting
@@ -398,6 +359,29 @@ class SpeculationPolicy:
         )
 
     # ---- after the step ----------------------------------------------------------------------
+
+    def learn(self, rows: list[Request], verified: Verified, probing: bool = False) -> None:
+        """Everything the policy learns from one decode step, in one call: its timings (the cost table,
+        :meth:`observe_costs`; not at a probed thread count), each row's acceptance for the source of its
+        drafts (:meth:`observe`), the token-tree calibration from every verified tree, and the relaxation
+        of the estimates the step did not use (:meth:`end_step`)."""
+        plan, num_drafts = verified.plan, verified.drafts_per_row
+        drafting = verified.draft_seconds + verified.select_seconds
+        self.observe_costs(plan, len(rows), max(num_drafts) + 1, verified.verify_seconds, drafting, probing)
+        spine, by_drafter, branches = verified.spine_accepted, verified.tree_accepted, verified.branch_accepted
+        for i, request in enumerate(rows):
+            # The accepted drafts the drafter proposed (a tree's free-draft branch is taught apart).
+            drafted = verified.num_accepted[i] if by_drafter is None else by_drafter[i]
+            branch = None
+            if branches is not None and (held := branches[i]) is not None:
+                assert plan.row_sources is not None
+                branch = (plan.row_sources[i], *held)
+            source = plan.source_of(i) if plan.source is DraftSource.LOOKUP else DraftSource.DRAFTER
+            forced = verified.forced[i] if verified.forced is not None else None
+            self.observe(request, num_drafts[i], drafted, source, forced, None if spine is None else spine[i], branch)
+            if plan.tree:
+                self.tree_calibration.observe(verified.trees[i], verified.accepted_nodes[i])
+        self.end_step(plan)
 
     def observe_costs(
         self, plan: Plan, num_rows: int, width: int, verify_seconds: float, draft_seconds: float, probing: bool

@@ -10,10 +10,10 @@ import torch
 
 from dflash2.config import EngineSpec
 from dflash2.engine.context import MAX_PENDING_CONTEXT, write_context
-from dflash2.engine.executor import Prefilled, Verified
-from dflash2.engine.policy import DraftSource, SpeculationPolicy
+from dflash2.engine.executor import Prefilled
+from dflash2.engine.plan import DraftSource, Verified
+from dflash2.engine.policy import SpeculationPolicy
 from dflash2.engine.request import Request
-from dflash2.engine.slots import slot_of
 from dflash2.outputs import FinishReason, RequestOutput, StepStats, TokenLogprob
 from dflash2.runner import ModelRunner
 
@@ -24,7 +24,7 @@ class Postprocessor:
     """Commits what a step's forwards decided.
 
     Args:
-        spec: the engine's resolved settings; runner: the caches to roll back;
+        spec: the engine's resolved settings; runner: writes the committed drafter context;
         policy: learns from each verify outcome; eos_token_ids: ids that end a request;
         probing: True while the thread governor tries another thread count (a step's timings then do
             not describe the cost table's).
@@ -51,7 +51,6 @@ class Postprocessor:
         outputs = []
         for i, request in enumerate(requests):
             request.num_cached = len(request.prompt_ids)
-            self.runner.rollback(slot_of(request), request.num_cached)
             logprob_rows = result.logits[i, :1] if request.params.logprobs is not None else None
             committed = self.commit_tokens(request, [result.first_ids[i]], logprob_rows, stats)
             outputs.append(output(request, *committed))
@@ -60,32 +59,17 @@ class Postprocessor:
     def decode(self, rows: list[Request], verified: Verified, stats: StepStats) -> list[RequestOutput]:
         """Roll back each row to its accepted prefix, apply stops, count, learn, and keep the committed
         tokens' features as drafter context."""
-        plan = verified.plan
         self._step_stats(len(rows), verified, stats)
         outputs = []
-        for i, request in enumerate(rows):
-            acc = verified.num_accepted[i]
+        for i, (request, acc) in enumerate(zip(rows, verified.num_accepted)):
             # Keep the anchor and the accepted drafts; the new anchor (bonus or correction) is not cached yet.
             request.num_cached += acc + 1
-            self.runner.rollback(slot_of(request), request.num_cached)
             emitted = [*verified.draft_lists[i][:acc], verified.next_ids[i]]
             logprob_rows = verified.logits[i, : acc + 1] if request.params.logprobs is not None else None
             committed, text, logprobs = self.commit_tokens(request, emitted, logprob_rows, stats)
-            num_drafts = verified.drafts_per_row[i]
-            sources = _draft_sources(verified, i)
-            _count_acceptance(request, acc, len(committed), sources, stats)
-            spine = branch = None
-            drafted = acc  # accepted drafts the drafter proposed (a tree's lookup branch is taught apart)
-            if verified.spine_accepted is not None and verified.tree_accepted is not None:
-                spine, drafted = verified.spine_accepted[i], verified.tree_accepted[i]
-            if verified.branch_accepted is not None and (held := verified.branch_accepted[i]) is not None:
-                assert plan.row_sources is not None
-                branch = (plan.row_sources[i], *held)
-            source = plan.source_of(i) if plan.source is DraftSource.LOOKUP else DraftSource.DRAFTER
-            forced = verified.forced[i] if verified.forced is not None else None
-            self.policy.observe(request, num_drafts, drafted, source, forced, spine, branch)
+            _count_acceptance(request, acc, len(committed), _draft_sources(verified, i), stats)
             outputs.append(output(request, committed, text, logprobs))  # cumulative counts include this step
-        self.policy.end_step(plan)
+        self.policy.learn(rows, verified, self.probing())
         if self.spec.speculative and verified.features is not None:
             self._keep_context(rows, verified)
         return outputs
@@ -105,10 +89,6 @@ class Postprocessor:
         if plan.source is DraftSource.LOOKUP:
             stats.num_lookup_drafts += sum(1 for n in num_drafts if n)
         stats.num_tree_nodes += verified.tree_nodes
-        drafting = verified.draft_seconds + verified.select_seconds
-        self.policy.observe_costs(
-            plan, num_rows, max(num_drafts) + 1, verified.verify_seconds, drafting, self.probing()
-        )
         if self.spec.speculative and not stats.drafted_per_position:
             stats.accepted_per_position = [0] * (self.spec.block_size - 1)
             stats.drafted_per_position = [0] * (self.spec.block_size - 1)

@@ -1,8 +1,8 @@
-"""A request's state inside the engine: lifecycle status, pending drafter context and ``Request``."""
+"""A request's state inside the engine: pending drafter context and ``Request`` (its lifecycle is the
+scheduler's queue it is in)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from dflash2.detokenize import IncrementalDetokenizer
     from dflash2.spec.adaptive import AcceptanceEstimate
     from dflash2.spec.prompt_lookup import PromptLookup
-
-
-class RequestStatus(enum.Enum):
-    """Lifecycle of a request inside the engine."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -89,7 +81,6 @@ class Request:
     lookup_acceptance: AcceptanceEstimate | None = None  # of its prompt-lookup drafts
     suffix_acceptance: AcceptanceEstimate | None = None  # of its drafts from earlier outputs (suffix decoding)
     pending_context: PendingContext = field(default_factory=PendingContext)
-    status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0

@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from dflash2.engine.request import Request, RequestStatus
+from dflash2.engine.request import Request
 
 
 class Scheduler:
     """FIFO admission of waiting requests into a fixed number of KV slots.
 
     Every slot holds one request for up to ``max_model_len`` tokens, so admission needs
-    only a free slot; requests longer than that are rejected before they get here.
+    only a free slot; requests longer than that are rejected before they get here. A request's
+    lifecycle is where it is: in ``waiting``, in ``running`` (holding a slot), or in neither (finished).
     """
 
     def __init__(self, max_num_seqs: int) -> None:
@@ -47,21 +48,19 @@ class Scheduler:
             slot = choose_slot(request, sorted(self.free_slots)) if choose_slot else min(self.free_slots)
             self.free_slots.remove(slot)
             request.slot = slot
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(request)
         return admitted
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queue or release its slot at once."""
-        if request.status is RequestStatus.WAITING and request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
             assert request.slot is not None
             self.free_slots.append(request.slot)
             self.free_slots.sort(reverse=True)
-        request.status = RequestStatus.FINISHED
 
     def find(self, request_id: str) -> Request | None:
         """The queued or running request with this id, if any."""

@@ -37,8 +37,6 @@ class SlotTable:
             if match.source in running:  # its drafter context must be complete before it is copied
                 write_context(self.runner, [running[match.source]])
             self.runner.copy_prefix(match.source, match.slot, match.num_cached)
-        else:
-            self.runner.rollback(match.slot, match.num_cached)
         self.prefix_cache.assign(match.slot, request.prompt_ids, match.num_cached)
         request.num_cached = request.num_cached_prompt_tokens = match.num_cached
         return match.slot

@@ -678,6 +678,24 @@ class DFlashDrafter(nn.Module):
         return transform_logits(self.config, flat.view(*hidden.shape[:-1], -1).float())  # [..., V or Vd]
 
     @property
+    def feature_dim(self) -> int:
+        """F·H: the width of the captured target features the context is written from."""
+        return self.fc.in_features
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The bound target's embedding ``[V, H]`` (the MASK and anchor tokens' rows)."""
+        assert self._target is not None, "bind_target() first"
+        return self._target[0]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head ``[V or Vd, H]`` the unary logits come from: the draft vocabulary's rows of the
+        target's head when one is set."""
+        assert self._target is not None, "bind_target() first"
+        return self._draft_head if self._draft_head is not None else self._target[1]
+
+    @property
     def num_candidates(self) -> int:
         """Candidates per slot the walk chooses from: the selector's top-k, else ``DEFAULT_TOP_K``."""
         return (self.config.selector_top_k if self.config.has_selector else 0) or DEFAULT_TOP_K

@@ -20,11 +20,11 @@ from dflash2.models.batch import ForwardBatch
 
 
 class SlotCaches:
-    """Per-slot ``DynamicCache`` objects with the same ``lengths`` bookkeeping as ``KVCache``."""
+    """Per-slot ``DynamicCache`` objects; a slot's cache is cropped to the row's start before its next
+    forward (the engine's committed length, as ``KVCache`` readers use it)."""
 
     def __init__(self, num_slots: int, max_len: int) -> None:
         self.caches: list[Any] = [None] * num_slots
-        self.lengths = [0] * num_slots
         self.max_len = max_len
 
     @property
@@ -39,14 +39,9 @@ class SlotCaches:
                             total += t.numel() * t.element_size()
         return total
 
-    def rollback(self, slot: int, length: int) -> None:
-        """Record the committed length; the cache is cropped before the slot's next forward."""
-        self.lengths[slot] = length
-
     def free(self, slot: int) -> None:
         """Drop a slot's cache."""
         self.caches[slot] = None
-        self.lengths[slot] = 0
 
 
 class HFCausalLMTarget(nn.Module):

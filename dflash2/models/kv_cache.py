@@ -1,8 +1,10 @@
-"""Preallocated per-slot key/value cache with O(1) rollback.
+"""Preallocated per-slot key/value cache; rollback costs nothing.
 
 One tensor pair holds every layer's K/V for ``num_slots`` sequences of up to ``max_len``
-tokens. A slot's valid length is tracked in Python; attention masks ignore entries at or
-past it, so rolling back is one integer assignment and a later write simply overwrites.
+tokens. The cache keeps no lengths: a slot's committed length is the engine's (``Request.num_cached``),
+every forward is told where each row starts, and attention reads only the keys before a row's own
+positions, so entries past a committed length are never read and a later write simply overwrites
+them: rolling back is nothing at all.
 
 Dimension letters: N flattened tokens, R rows, nkv key-value heads, T key positions, d head dim.
 """
@@ -13,8 +15,7 @@ import torch
 
 
 class KVCache:
-    """K/V storage ``[num_layers, num_slots, nkv, max_len, d]`` plus per-slot lengths; zero-filled unless
-    ``zeroed`` is False.
+    """K/V storage ``[num_layers, num_slots, nkv, max_len, d]``; zero-filled unless ``zeroed`` is False.
 
     Raises:
         ValueError: from :meth:`write` when a position is outside ``[0, max_len)``.
@@ -38,7 +39,6 @@ class KVCache:
         self.k = allocate(shape, dtype=dtype, device=device)
         self.v = allocate(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self.lengths = [0] * num_slots
 
     @property
     def nbytes(self) -> int:
@@ -64,10 +64,5 @@ class KVCache:
         index = torch.tensor(slots, device=self.k.device)
         return self.k[layer, index, :, :length], self.v[layer, index, :, :length]
 
-    def rollback(self, slot: int, length: int) -> None:
-        """Set a slot's valid length (O(1)); later positions are ignored and overwritten."""
-        self.lengths[slot] = length
-
     def free(self, slot: int) -> None:
-        """Forget a slot's contents (its length becomes 0)."""
-        self.lengths[slot] = 0
+        """Nothing to release: the tensors are preallocated, and a slot's stale entries are never read."""

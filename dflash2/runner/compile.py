@@ -29,6 +29,7 @@ H hidden, V vocab, F·H captured features, k candidates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -112,11 +113,17 @@ def _rows_class(inputs: Sequence[torch.Tensor]) -> str:
     return "rows=1" if inputs[0].shape[0] == 1 else "rows=2+"
 
 
+def _tree_class(inputs: Sequence[torch.Tensor]) -> tuple[str, str]:
+    """The CPU graph a token-tree call of the target module needs (its own, beside the chains' graphs
+    of the same module): batch 1 or more."""
+    return ("tree", _rows_class(inputs))
+
+
 _SHAPE_CLASSES: dict[str, Callable[[Sequence[torch.Tensor]], Any]] = {
     "target": _target_shape_class,
     "drafter": _rows_class,
     "context": _target_shape_class,
-    "tree": _rows_class,
+    "tree": _tree_class,
 }
 
 
@@ -184,7 +191,10 @@ def _caches(module: nn.Module, num_layers: int) -> list[tuple[torch.Tensor, torc
 class CompiledTarget(nn.Module):
     """:meth:`TargetModel.forward_slots` of a fused copy of the target (:meth:`TargetModel.fused_copy`:
     its embedding, norms, LM head and output projections shared) over the target cache, whose
-    per-layer views are buffers, so a compiled forward writes into the memory eager prefill uses."""
+    per-layer views are buffers, so a compiled forward writes into the memory eager prefill uses.
+
+    One module serves chains and token trees: a batch of chains runs the causal forward (no mask), a
+    batch with a tree passes its ancestor mask; each is a graph of its own (``target`` and ``tree``)."""
 
     def __init__(self, target: TargetModel, cache: KVCache, capture_layer_ids: Sequence[int]) -> None:
         super().__init__()
@@ -201,42 +211,10 @@ class CompiledTarget(nn.Module):
         write_positions: torch.Tensor,
         read_slots: torch.Tensor,
         key_positions: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [R, L, V] float32, features [R, L, F·H])``: see :meth:`TargetModel.forward_slots`."""
-        caches = _caches(self, self.num_layers)
-        return self.model.forward_slots(
-            input_ids,
-            positions,
-            write_slots,
-            write_positions,
-            read_slots,
-            key_positions,
-            caches,
-            self.capture_layer_ids,
-        )
-
-
-class CompiledTreeTarget(nn.Module):
-    """:meth:`TargetModel.forward_slots` over a token tree (``tree_mask``): the :class:`CompiledTarget`'s
-    fused model and cache buffers, shared, in a graph of its own (the tree's mask is an input)."""
-
-    def __init__(self, target: CompiledTarget) -> None:
-        super().__init__()
-        self.model, self.capture_layer_ids, self.num_layers = target.model, target.capture_layer_ids, target.num_layers
-        caches = _caches(target, target.num_layers)
-        _register_caches(self, [k for k, _ in caches], [v for _, v in caches])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        write_slots: torch.Tensor,
-        write_positions: torch.Tensor,
-        read_slots: torch.Tensor,
-        tree_mask: torch.Tensor,
-        key_positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [R, N, V] float32, features [R, N, F·H])`` of the tree's N nodes per row."""
+        """``(logits [R, L, V] float32, features [R, L, F·H])``: see :meth:`TargetModel.forward_slots`;
+        ``tree_mask [R, L, L]`` (True: node j is node i or its ancestor) for token trees, None for chains."""
         caches = _caches(self, self.num_layers)
         return self.model.forward_slots(
             input_ids,
@@ -262,11 +240,10 @@ class CompiledDrafter(nn.Module):
 
     def __init__(self, drafter: DFlashDrafter, cache: KVCache, own_layers: bool = False) -> None:
         super().__init__()
-        assert drafter._target is not None, "bind_target() first"
         self.model = inference_copy(drafter, own_layers)
         self.num_layers = drafter.config.num_hidden_layers
-        self.embed = nn.Parameter(drafter._target[0].detach(), requires_grad=False)
-        head = drafter._draft_head if drafter._draft_head is not None else drafter._target[1]
+        self.embed = nn.Parameter(drafter.embed_weight.detach(), requires_grad=False)
+        head = drafter.head_weight
         self.head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")
         self.head.weight = nn.Parameter(head.detach().to(drafter.dtype), requires_grad=False)
         _register_caches(self, list(cache.k), list(cache.v))
@@ -402,12 +379,12 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
     if isinstance(runner.target, TargetModel):
         target = CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids).eval()
         modules.append(("target", target))
-        if runner.tree_nodes:  # CPU: one dynamic graph; CUDA: a graph per (rows, nodes) bucket
-            modules.append(("tree", CompiledTreeTarget(target).eval()))
+        if runner.tree_nodes:  # the same module with a mask; CPU: one dynamic graph; CUDA: one per bucket
+            modules.append(("tree", target))
     else:
         logger.info("the %s target runs eagerly (no static forward)", type(runner.target).__name__)
     drafter, cache = runner.drafter, runner.draft_cache
-    if cache is not None and drafter is not None and drafter.supports_compile:
+    if cache is not None and isinstance(drafter, DFlashDrafter) and drafter.supports_compile:
         own_layers = can_prepack(runner.device, runner.dtype)  # the eager drafter is packed in place
         compiled = CompiledDrafter(drafter, cache, own_layers)
         if runner.device.type == "cuda":
@@ -429,9 +406,28 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
     return modules
 
 
+@dataclasses.dataclass
+class CompiledForwards:
+    """What one compilation built, for the runner to be built with (:meth:`ModelRunner.install`).
+
+    Attributes:
+        forwards: the compiled forwards by module name (``target``, ``tree``, ``drafter``, ``context``).
+        times: seconds to build (or load) each graph, by graph label; sources: each graph's
+            ``"compiled"`` or ``"loaded"`` (saved by an earlier start or another process).
+        failures: the modules left eager, and why.
+        seconds: wall time of the whole compilation.
+    """
+
+    forwards: dict[str, Callable[..., Any]]
+    times: dict[str, float]
+    sources: dict[str, str]
+    failures: dict[str, str]
+    seconds: float
+
+
 def compile_modules(
     runner: ModelRunner, modules: list[tuple[str, nn.Module]], load_only: bool = False
-) -> dict[str, Callable[..., Any]]:
+) -> CompiledForwards:
     """Compile and warm up each module; on failure keep that forward eager with a warning.
 
     Args:
@@ -439,10 +435,11 @@ def compile_modules(
             (:class:`~dflash2.precompiled.PrecompiledForward`'s ``load_only``): a module without a
             saved graph that fits stays eager, with a warning.
 
+    The runner's forwards run each graph once on its scratch slot (the warm-up); nothing of the runner
+    changes here.
+
     Returns:
-        The compiled forwards by module name (``target``, ``drafter``, ``context``); the build time
-        and source of each graph go into ``runner.compile_times`` and ``runner.graph_sources``, the
-        names of the modules left eager and why into ``runner.compile_failures``.
+        The :class:`CompiledForwards`: forwards, each graph's build time and source, failures.
     """
     start = time.perf_counter()
     cuda = runner.device.type == "cuda"
@@ -461,7 +458,7 @@ def compile_modules(
         graphs = cuda_graph_count(runner)
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * graphs)
-    forwards: dict[str, Callable[..., Any]] = {}
+    result = CompiledForwards({}, {}, {}, {}, 0.0)
     for name, module in modules:
         forward: Callable[..., Any]
         try:
@@ -478,25 +475,25 @@ def compile_modules(
                     settings=f"slots={runner.num_slots} block={runner.block_size}",
                     load_only=load_only,
                 )
-            _warm_up(runner, name, forward)
+            _warm_up(runner, name, forward, result)
         except Exception as error:
             verb = "loading" if load_only else "compiling"
             logger.warning("%s the %s failed, running it eagerly: %s", verb, name, short_error(error))
-            runner.compile_failures[name] = short_error(error)
+            result.failures[name] = short_error(error)
             continue
-        forwards[name] = forward
-    runner.compile_seconds = time.perf_counter() - start
-    if runner.compile_times:
-        loaded = sum(source == "loaded" for source in runner.graph_sources.values())
+        result.forwards[name] = forward
+    result.seconds = time.perf_counter() - start
+    if result.times:
+        loaded = sum(source == "loaded" for source in result.sources.values())
         logger.info(
             "%d graphs ready in %.1f s (%d compiled, %d loaded; cache: %s)",
-            len(runner.compile_times),
-            runner.compile_seconds,
-            len(runner.compile_times) - loaded,
+            len(result.times),
+            result.seconds,
+            len(result.times) - loaded,
             loaded,
             os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         )
-    return forwards
+    return result
 
 
 def cuda_graph_count(runner: ModelRunner) -> int:
@@ -522,7 +519,7 @@ def _row_buckets(runner: ModelRunner) -> list[int]:
     return [1, 2] if runner.num_slots >= 2 else [1]
 
 
-def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> None:
+def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any], result: CompiledForwards) -> None:
     """Build every graph now (rows on the scratch slot only), not in the middle of a request:
     per row bucket, the drafter's block and the selector, the target and the context append at
     width 1 and at the block width (on CPU one graph covers every width from 2 up), and the token-tree
@@ -537,13 +534,13 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
             slots = [runner.scratch_slot] * num_rows
             for _ in range(2 if cuda else 1):  # CUDA graphs are recorded on a later call
                 if name == "target":
-                    runner._target_call(slots, [[0] * width] * num_rows, [0] * num_rows, forward)
+                    runner.chain_call(slots, [TokenTree.chain([0] * width)] * num_rows, [0] * num_rows, forward)
                 elif name == "tree":
-                    chain = TokenTree.chain([0] * width)
-                    runner._tree_call(slots, [chain] * num_rows, [0] * num_rows, forward)
+                    tree = TokenTree([0] * width, [-1, *[0] * (width - 1)])  # the root and its children
+                    runner.tree_call(slots, [tree] * num_rows, [0] * num_rows, forward)
                 elif name == "context":
                     assert drafting is not None
-                    dim = drafting.drafter.fc.in_features
+                    dim = drafting.drafter.feature_dim
                     features = torch.zeros(num_rows, width, dim, dtype=runner.dtype, device=device)
                     drafting.context_call(slots, PendingWrites(features, [width] * num_rows, [0] * num_rows), forward)
                 else:  # the drafter's block (on CPU with the context write and the walk)
@@ -557,7 +554,7 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any]) -> Non
                 width_label = f" nodes={width}"
             graph = f"{name} rows={rows_label}{width_label}"
             source = getattr(forward, "last_source", None) or "compiled"
-            runner.compile_times[graph], runner.graph_sources[graph] = elapsed, source
+            result.times[graph], result.sources[graph] = elapsed, source
             logger.info("%s %s graph for %s row(s)%s in %.1f s", source, name, rows_label, width_label, elapsed)
 
 

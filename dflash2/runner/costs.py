@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash2.spec.tree import build_trees
+from dflash2.spec.tree import TokenTree, build_trees
 
 if TYPE_CHECKING:
     from dflash2.runner.model_runner import ModelRunner
@@ -51,7 +51,9 @@ def measure_costs(
     for rows in row_counts:
         slots, starts = [runner.scratch_slot] * rows, [context] * rows
         for width in widths:
-            calls[("verify", rows, width)] = functools.partial(runner.verify, slots, [[0] * width] * rows, starts)
+            calls[("verify", rows, width)] = functools.partial(
+                runner.verify, slots, [TokenTree.chain([0] * width)] * rows, starts
+            )
         if runner.drafting is None:
             continue
         anchors = torch.zeros(rows, dtype=torch.long, device=device)
@@ -77,7 +79,7 @@ def measure_tree_costs(
     """Time a token-tree step's parts as :func:`measure_costs` times a chain's: at each (rows, width W)
     the drafting (:meth:`DraftRunner.draft_lattice`: the block, top-k and the lattice's log-probabilities)
     and the verify (the beam's tree of ``nodes[W]`` drafted nodes, :func:`dflash2.spec.tree.build_trees`,
-    and ONE tree-masked forward, :meth:`ModelRunner.verify_tree`).
+    and ONE tree-masked forward, :meth:`ModelRunner.verify`).
 
     Args:
         nodes: drafted nodes per row by width (``EngineSpec.tree_budget``); topk: the beam's branching.
@@ -120,7 +122,7 @@ def _verify_tree(
     trees = build_trees(
         candidate_ids, log_probs, [0] * len(slots), topk, [num_nodes] * len(slots), [depth] * len(slots)
     )
-    runner.verify_tree(slots, trees, starts)
+    runner.verify(slots, trees, starts)
 
 
 def _timed(

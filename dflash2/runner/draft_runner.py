@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.models.drafter import DFlashDrafter
+from dflash2.models.base import Drafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import batch_invariant_enabled
 from dflash2.runner.cache import PendingWrites, bucket_rows, context_writes, draft_inputs, flat_context, key_length
@@ -84,11 +84,19 @@ class DraftRunner:
             synchronization per phase; the benchmark sets it.
     """
 
-    def __init__(self, drafter: DFlashDrafter, cache: KVCache, layout: SlotLayout, use_selector: bool) -> None:
+    def __init__(self, drafter: Drafter, cache: KVCache, layout: SlotLayout, use_selector: bool) -> None:
         self.drafter, self.cache, self.layout, self.use_selector = drafter, cache, layout, use_selector
         self.forward: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self.context_forward: Callable[..., torch.Tensor] | None = None
         self.sync_timing = False
+
+    def install(
+        self,
+        forward: Callable[..., tuple[torch.Tensor, ...]] | None,
+        context_forward: Callable[..., torch.Tensor] | None,
+    ) -> None:
+        """Run the drafting and context-append calls through these compiled forwards (None: eagerly)."""
+        self.forward, self.context_forward = forward, context_forward
 
     @property
     def selects_in_draft(self) -> bool:
@@ -244,7 +252,7 @@ class DraftRunner:
                 # At least two context tokens per row (padding writes the scratch slot), so that one graph
                 # per row class serves every step (a width of 1 would be a graph of its own).
                 if context is None:
-                    features = torch.zeros(num_rows, 2, self.drafter.fc.in_features, dtype=layout.dtype)
+                    features = torch.zeros(num_rows, 2, self.drafter.feature_dim, dtype=layout.dtype)
                     context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
                 writes = self.context_inputs(slots, context, min_width=2)
                 mark_dynamic(writes, width_inputs=writes)
@@ -253,8 +261,6 @@ class DraftRunner:
                 sampling = [graph_input(temperatures.float()), graph_input(uniforms.float())]
                 mark_dynamic(sampling)
                 outputs = forward(*writes, *inputs, keys, *sampling)
-        if context is not None:
-            self.roll_context(slots, context.starts, context.lengths)
         return tuple(t[:num_rows] for t in outputs)
 
     def append_context(
@@ -270,13 +276,6 @@ class DraftRunner:
         else:  # through the eager drafter (its linears pre-packed on CPU)
             flat = flat_context(slots, list(starts), features, list(lengths), self.layout.device)
             self.drafter.append_context(self.cache, *flat)
-        self.roll_context(slots, starts, lengths)
-
-    def roll_context(self, slots: list[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
-        """Each slot's drafter context now ends after its written tokens (rows with none unchanged)."""
-        for slot, start, n in zip(slots, starts, lengths):
-            if n:
-                self.cache.rollback(slot, start + n)
 
     def context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
         """:func:`~dflash2.runner.cache.context_writes` as graph inputs, in the dtype the graphs were built for."""

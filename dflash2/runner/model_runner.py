@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash2.models.base import Drafter
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.cpu_kernels import AVX512_BF16
-from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
@@ -103,7 +103,7 @@ class ModelRunner:
     def __init__(
         self,
         target: Any,
-        drafter: DFlashDrafter | None,
+        drafter: Drafter | None,
         num_slots: int,
         max_model_len: int,
         block_size: int,
@@ -164,16 +164,23 @@ class ModelRunner:
         if modules and defer_compile and self.device.type == "cpu" and tensor_parallel is None:
             self._deferred = modules
         else:
-            self._install(graphs.compile_modules(self, modules) if modules else {})  # warm-up reads the Nones above
+            if modules:  # the warm-up runs the eager forwards' Nones above
+                self.install(graphs.compile_modules(self, modules))
         if tensor_parallel is not None:
             tensor_parallel.wait_ready()
 
-    def _install(self, forwards: dict[str, Callable[..., Any]]) -> None:
+    def install(self, compiled: graphs.CompiledForwards) -> None:
         """Route the verify, token-tree, drafting and context-append calls to these compiled forwards
-        (by module name; a missing one stays eager)."""
+        (by module name; a missing one stays eager) and keep the compilation's record (graph times and
+        sources, failures)."""
+        forwards = compiled.forwards
         self._target_forward, self._tree_forward = forwards.get("target"), forwards.get("tree")
         if self.drafting is not None:
-            self.drafting.forward, self.drafting.context_forward = forwards.get("drafter"), forwards.get("context")
+            self.drafting.install(forwards.get("drafter"), forwards.get("context"))
+        self.compile_times.update(compiled.times)
+        self.graph_sources.update(compiled.sources)
+        self.compile_failures.update(compiled.failures)
+        self.compile_seconds = compiled.seconds
 
     @property
     def graphs_deferred(self) -> bool:
@@ -197,7 +204,7 @@ class ModelRunner:
         modules, self._deferred = self._deferred, []
         if not modules:
             return dict(self.compile_failures)
-        self._install(graphs.compile_modules(self, modules, load_only=True))
+        self.install(graphs.compile_modules(self, modules, load_only=True))
         return dict(self.compile_failures)
 
     @property
@@ -245,101 +252,82 @@ class ModelRunner:
         return self.target.run(batch, self.target_cache, self.capture_layer_ids, last_only=True)
 
     def verify(
-        self, slots: list[int], token_rows: list[list[int]], starts: list[int]
+        self, slots: list[int], trees: Sequence[TokenTree], starts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ONE target forward over each row's ``[anchor, drafts…]`` (rows may differ in length).
+        """ONE target forward over each row's proposal as a token tree (``dflash2/spec/tree.py``; a chain
+        ``[anchor, drafts…]`` is a one-branch tree): node i at position ``start + depth(i)``, its K/V
+        written at ``start + i`` (:meth:`commit` moves an accepted tree path into place), seeing the
+        context and its ancestors. A batch of chains (rows may differ in length) takes the causal path:
+        no mask, the narrowest compiled width; a batch with a branching tree passes the trees' ancestor
+        masks (the project's own decoder only).
 
         Returns:
-            logits ``[R, L, V]`` float32 (L = the longest row; padding positions hold garbage)
-            and features ``[R, L, F·H]`` or None.
+            logits ``[R, N, V]`` float32 (N = the largest tree; padding positions hold garbage) and
+            features ``[R, N, F·H]`` or None.
+
+        Raises:
+            ValueError: a branching tree for a target the project does not decode itself (the
+                transformers fallback).
         """
+        chains = all(tree.is_chain for tree in trees)
+        if not chains and not isinstance(self.target, TargetModel):
+            raise ValueError(f"token trees need a target the project decodes itself, not {type(self.target).__name__}")
         if self.tensor_parallel is not None:
-            self.tensor_parallel.run("verify", slots, token_rows, starts)
-        width = max(len(row) for row in token_rows)
-        if self._target_forward is not None:
-            logits, features = self._target_call(slots, token_rows, starts)
+            self.tensor_parallel.run("verify", slots, list(trees), starts)
+        width = max(len(tree) for tree in trees)
+        if chains and self._target_forward is not None:
+            logits, features = self.chain_call(slots, trees, starts)
+        elif not chains and self._tree_forward is not None:
+            logits, features = self.tree_call(slots, trees, starts)
         elif isinstance(self.target, TargetModel):
             # The compiled graphs' method, run eagerly (deterministic mode too: its attention skips the
             # masked keys past a row's own end, so the batch's longest key range changes no bits).
-            rows = target_inputs(slots, token_rows, starts, width, len(slots), self.scratch_slot)
-            input_ids, positions, write_slots, write_positions = (t.to(self.device) for t in rows[:4])
+            if chains:
+                rows = [tree.token_ids for tree in trees]
+                inputs = target_inputs(slots, rows, starts, width, len(slots), self.scratch_slot)
+                mask = None
+            else:
+                inputs = tree_inputs(slots, trees, starts, width, len(slots), self.scratch_slot)
+                mask = inputs[5].to(self.device)
+            input_ids, positions, write_slots, write_positions = (t.to(self.device) for t in inputs[:4])
             # The exact key range: the eager attention then reads what the ragged prefill reads.
-            keys = torch.arange(max(s + len(row) for s, row in zip(starts, token_rows)), device=self.device)
+            keys = torch.arange(max(s + len(tree) for s, tree in zip(starts, trees)), device=self.device)
             with torch.inference_mode():
                 reads = (read_slots_index(slots, self.device), keys, layer_caches(self.target_cache))
                 logits, features = self.target.forward_slots(
-                    input_ids, positions, write_slots, write_positions, *reads, self.capture_layer_ids
+                    input_ids, positions, write_slots, write_positions, *reads, self.capture_layer_ids, mask
                 )
         else:  # the transformers fallback
-            batch = ForwardBatch.build(slots, token_rows, starts, self.device)
+            rows = [tree.token_ids for tree in trees]
+            batch = ForwardBatch.build(slots, rows, starts, self.device)
             return self.target.run(batch, self.target_cache, self.capture_layer_ids)
         return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
 
-    def _target_call(
+    def chain_call(
         self,
         slots: list[int],
-        token_rows: list[list[int]],
+        chains: Sequence[TokenTree],
         starts: list[int],
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled forward with rows padded to the narrowest verify width that holds the longest
-        row (and to a row bucket on CUDA)."""
+        """The compiled causal forward over chains, rows padded to the narrowest verify width that holds
+        the longest row (and to a row bucket on CUDA); ``forward`` replaces the installed one (warm-up)."""
         forward = self._target_forward if forward is None else forward
         assert forward is not None
         with compiled_mode():  # inputs are built here too: a graph is guarded on its inputs' flags
-            longest = max(len(row) for row in token_rows)
+            longest = max(len(chain) for chain in chains)
             num_rows, width = len(slots), min(w for w in self.verify_widths if w >= longest)
             padded_rows = bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
+            token_rows = [chain.token_ids for chain in chains]
             inputs = [
                 t.to(self.device)
                 for t in target_inputs(slots, token_rows, starts, width, padded_rows, self.scratch_slot)
             ]
-            max_end = max(s + len(row) for s, row in zip(starts, token_rows))
+            max_end = max(s + len(chain) for s, chain in zip(starts, chains))
             keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda), device=self.device)
             mark_dynamic(inputs, keys, inputs[:4], static=self._cuda)
             logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
-
-    def verify_tree(
-        self, slots: list[int], trees: Sequence[TokenTree], starts: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ONE target forward over each row's token tree (``dflash2/spec/tree.py``): node i at position
-        ``start + depth(i)``, its K/V written at ``start + i`` (:meth:`commit_tree` moves the accepted
-        path into place), seeing the context and its ancestors.
-
-        Returns:
-            logits ``[R, N, V]`` float32 (N = the largest tree; padding nodes hold garbage) and features
-            ``[R, N, F·H]`` or None.
-
-        Raises:
-            ValueError: for a target the project does not decode itself (the transformers fallback).
-        """
-        if not isinstance(self.target, TargetModel):
-            raise ValueError(f"token trees need a target the project decodes itself, not {type(self.target).__name__}")
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.run("verify_tree", slots, list(trees), starts)
-        width = max(len(tree) for tree in trees)
-        if self._tree_forward is not None:
-            logits, features = self._tree_call(slots, trees, starts)
-        else:
-            inputs = [
-                t.to(self.device) for t in tree_inputs(slots, trees, starts, width, len(slots), self.scratch_slot)
-            ]
-            keys = torch.arange(max(s + len(tree) for s, tree in zip(starts, trees)), device=self.device)
-            input_ids, positions, write_slots, write_positions = inputs[:4]
-            with torch.inference_mode():
-                logits, features = self.target.forward_slots(
-                    input_ids,
-                    positions,
-                    write_slots,
-                    write_positions,
-                    read_slots_index(slots, self.device),
-                    keys,
-                    layer_caches(self.target_cache),
-                    self.capture_layer_ids,
-                    inputs[5],
-                )
-        return logits[:, :width], (features[:, :width] if self.capture_layer_ids else None)
 
     @property
     def max_tree_nodes(self) -> int:
@@ -348,18 +336,18 @@ class ModelRunner:
         prompt-lookup branch of up to B − 1 drafts beside it."""
         return max(self.tree_nodes, self.block_size - 1) + self.block_size
 
-    def _tree_call(
+    def tree_call(
         self,
         slots: list[int],
         trees: Sequence[TokenTree],
         starts: list[int],
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled tree forward: on CPU one graph (rows, nodes and keys dynamic, at least two nodes
+        """The compiled tree-masked forward: on CPU one graph (rows, nodes and keys dynamic, at least two nodes
         per row); with CUDA graphs nodes are padded to a node bucket (:func:`bucket_nodes`), rows to a
         row bucket and keys to a power of two, one recorded graph per (rows, nodes, keys) bucket.
         Padding nodes and rows write the scratch slot and their outputs are cut away, as a narrower
-        tree's padding is on CPU."""
+        tree's padding is on CPU. ``forward`` replaces the installed one (warm-up)."""
         forward = self._tree_forward if forward is None else forward
         assert forward is not None
         with compiled_mode():
@@ -375,15 +363,18 @@ class ModelRunner:
             mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]], static=self._cuda)
             if not self._cuda:
                 torch._dynamo.maybe_mark_dynamic(inputs[5], 2)
-            logits, features = forward(*inputs, keys)
+            logits, features = forward(*inputs[:5], keys, inputs[5])
         return logits[:num_rows], features[:num_rows]
 
-    def commit_tree(self, slot: int, start: int, accepted_nodes: Sequence[int]) -> None:
-        """Move the accepted path's target K/V (written at ``start + node``) to ``start + 1 …`` in order;
-        the caller rolls the slot back to its committed length. Nodes ascend along a path, so no copy
-        reads a position an earlier copy wrote."""
+    def commit(self, slot: int, start: int, accepted_nodes: Sequence[int]) -> None:
+        """Move the accepted path's target K/V (written at ``start + node``) to ``start + 1 …`` in order
+        (nothing moves for a chain, whose node i is at depth i). Nodes ascend along a path, so no copy
+        reads a position an earlier copy wrote. The slot's committed length is the engine's
+        (``Request.num_cached``): the caches keep none."""
+        if all(node == depth for depth, node in enumerate(accepted_nodes, start=1)):
+            return
         if self.tensor_parallel is not None:
-            self.tensor_parallel.defer("commit_tree", slot, start, list(accepted_nodes))
+            self.tensor_parallel.defer("commit", slot, start, list(accepted_nodes))
         cache = self.target_cache
         for depth, node in enumerate(accepted_nodes, start=1):
             if node != depth:
@@ -420,12 +411,6 @@ class ModelRunner:
         """The decode forwards' costs on the scratch slot (:func:`dflash2.runner.costs.measure_costs`)."""
         return measure_costs(self, row_counts, widths, repeats, context, interrupt)
 
-    def rollback(self, slot: int, length: int) -> None:
-        """Set a slot's committed target length (O(1))."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.defer("rollback", slot, length)
-        self.target_cache.rollback(slot, length)
-
     @property
     def supports_prefix_copy(self) -> bool:
         """True when the caches are contiguous per slot (``KVCache``), so a prefix can be copied."""
@@ -440,7 +425,6 @@ class ModelRunner:
             if cache is not None:
                 cache.k[:, dest, :, :length] = cache.k[:, source, :, :length]
                 cache.v[:, dest, :, :length] = cache.v[:, source, :, :length]
-        self.target_cache.rollback(dest, length)
 
     def free(self, slot: int) -> None:
         """Forget a slot in both caches."""
@@ -449,15 +433,6 @@ class ModelRunner:
         self.target_cache.free(slot)
         if self.draft_cache is not None:
             self.draft_cache.free(slot)
-
-    def slot_lengths(self) -> list[int]:
-        """Each slot's committed target length (the scratch slot last); a worker's answer to rank 0's query."""
-        return list(self.target_cache.lengths)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction (0–1) of target KV positions holding committed tokens (scratch slot excluded)."""
-        return sum(self.target_cache.lengths[: self.num_slots]) / (self.num_slots * self.max_model_len)
 
 
 def check_deterministic(target: Any, device: torch.device, dtype: torch.dtype) -> None:

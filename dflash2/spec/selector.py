@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.models.drafter import DFlashDrafter, SelectorWeights
+from dflash2.models.base import Drafter
+from dflash2.models.drafter import SelectorWeights
 from dflash2.models.layers import batch_invariant_enabled
 
 __all__ = ["Proposal", "SelectorWeights", "draft_path", "drafter_path", "lattice_scores", "topk_candidates", "walk"]
@@ -127,7 +128,7 @@ def draft_path(
 
 
 def drafter_path(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     hidden: torch.Tensor,
     logits: torch.Tensor,
     anchor_ids: torch.Tensor,

@@ -75,6 +75,11 @@ class TokenTree:
         return len(self.token_ids)
 
     @property
+    def is_chain(self) -> bool:
+        """True when the tree is one path: node i is the child of node i − 1."""
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    @property
     def depths(self) -> list[int]:
         """Each node's depth (the root's is 0): its position after the anchor's."""
         depths = [0] * len(self)

@@ -1,4 +1,12 @@
-"""Verification of a drafted block: lossless rejection sampling with a bonus token.
+"""Verification of a step's proposals: lossless rejection sampling with a bonus token.
+
+:func:`accept` is the one acceptance every step takes: each row proposed a token tree (a chain of drafts
+is a one-branch tree). The rule is recursive rejection sampling: at a node whose target distribution is
+p, each child c proposed from q is accepted with probability min(1, p(c)/q(c)), and a rejection leaves
+``normalize(max(0, p − q))`` for the next child or the final draw. A drafted chain's q is the drafter's
+distribution over its candidates (:func:`rejection_accept`, batched over the rows); a tree's children are
+deterministic, q a point mass, and the same rule tries them in turn
+(:func:`dflash2.spec.tree.accept_tree`).
 
 Spec §5.2 (dflash2-spec.md); Leviathan et al. 2023 / Chen et al. 2023 speculative sampling.
 Greedy rows arrive with one-hot target probabilities and one-hot proposals, for which the
@@ -9,10 +17,70 @@ Dimension letters: R rows, J drafted slots, k candidates per slot, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from dflash2.sampling import LogitsContext, process_logits, sample_from_probs, target_probs
+from dflash2.sampling import LogitsContext, probs_from_logits, process_logits, sample_from_probs, target_probs
 from dflash2.spec.selector import Proposal
+from dflash2.spec.tree import TokenTree, accept_tree
+
+
+def accept(
+    trees: Sequence[TokenTree],
+    logits: torch.Tensor,
+    ctx: LogitsContext,
+    proposal: Proposal | None,
+    allowed: torch.Tensor | None,
+    uniforms: torch.Tensor | None,
+) -> tuple[list[list[int]], list[int]]:
+    """The target's decision on every row's proposal (one speculative step, spec §5.2 and §6).
+
+    A batch of chains with their proposal distributions (``proposal``) is decided at once by
+    :func:`accept_block` (an all-greedy batch by the argmax shortcut inside); trees, whose nodes are
+    point-mass proposals, by :func:`~dflash2.spec.tree.accept_tree` row by row, on the same rule.
+
+    Args:
+        trees: per row, the proposed tree, node 0 the anchor (N nodes at most).
+        logits: ``[R, N, V]`` raw target logits of the verify forward, node i's at index i.
+        ctx: per-row sampling parameters and histories. A tree step's rows must not depend on the
+            tokens before a node (no penalties or grammar: ``dflash2.engine.policy.tree_rows``).
+        proposal: for chains, the drafted paths and their distribution q over at least N − 1 slots
+            (the chains' tokens are its ``draft_ids``); None for point-mass nodes (trees).
+        allowed: ``[R, N, V]`` grammar masks along the chains, or None.
+        uniforms: ``[R, S+1]`` uniforms in [0, 1), S ≥ N − 1 (one per child tried, the last one for the next
+            token); None for an all-greedy batch (which draws none).
+
+    Returns:
+        ``(accepted_nodes, next_ids)``: per row, the accepted nodes (root excluded, root to leaf; a chain's
+        are 1 … k) and the bonus or correction token.
+
+    Raises:
+        ValueError: a tree (``proposal`` None) with grammar masks.
+    """
+    if proposal is not None:
+        num_drafts = [len(tree) - 1 for tree in trees]
+        num_accepted, next_tokens = accept_block(logits, ctx, proposal, num_drafts, allowed, uniforms)
+        return [list(range(1, n + 1)) for n in num_accepted.tolist()], next_tokens.tolist()
+    if allowed is not None:
+        raise ValueError("token trees take no grammar masks: their positions' histories differ per branch")
+    no_drafts = torch.zeros(len(trees), 0, dtype=torch.long, device=logits.device)
+    processed = process_logits(logits, ctx, no_drafts)
+    probs = None if uniforms is None else probs_from_logits(processed, ctx.params)
+    accepted: list[list[int]] = []
+    next_ids: list[int] = []
+    for i, tree in enumerate(trees):
+        greedy = probs is None or ctx.params[i].is_greedy
+        n = len(tree)
+        verdict = accept_tree(
+            tree,
+            None if greedy or probs is None else probs[i, :n],
+            processed[i, :n],
+            None if uniforms is None else uniforms[i],
+        )
+        accepted.append(verdict.accepted_nodes)
+        next_ids.append(verdict.next_id)
+    return accepted, next_ids
 
 
 def accept_block(

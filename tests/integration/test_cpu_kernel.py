@@ -12,6 +12,7 @@ import dflash2.loading
 import dflash2.models.layers
 from dflash2.models import cpu_kernels
 from dflash2.models.layers import PackedLinear, linear_backend
+from dflash2.spec.tree import TokenTree
 from tests.tiny import tiny_drafter, tiny_engine, tiny_target
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX2 + FMA CPU or no C++ compiler")
@@ -200,7 +201,7 @@ def test_compiled_runner_runs_the_kernel_and_matches_eager(kernel_backend):
         prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
         runner.prefill([0, 1], prompts, [0, 0])
         rows = [[5, 3, 5, 8], [8, 2, 8, 1, 8, 2, 8, 4]]
-        logits, features = runner.verify([0, 1], rows, [8, 3])
+        logits, features = runner.verify([0, 1], [TokenTree.chain(row) for row in rows], [8, 3])
         assert features is not None
         results.append([(logits[r, : len(row)], features[r, : len(row)]) for r, row in enumerate(rows)])
     for (eager_logits, eager_features), (fast_logits, fast_features) in zip(*results):

@@ -12,6 +12,7 @@ from dflash2.config import EngineConfig
 from dflash2.engine import Engine
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.layers import batch_invariant, invariant_kernel_available
+from dflash2.spec.tree import TokenTree
 from tests.tiny import tiny_drafter, tiny_target
 
 pytestmark = [
@@ -93,27 +94,25 @@ def test_every_verify_width_offset_and_batch_gives_the_single_token_logits(specu
         tokens, single = list(prompt), []
         for _ in range(steps):
             tokens.append(int(logits[0, -1].argmax()))
-            logits, _ = runner.verify([0], [[tokens[-1]]], [len(tokens) - 1])
+            logits, _ = runner.verify([0], [TokenTree.chain([tokens[-1]])], [len(tokens) - 1])
             single.append(logits[0, 0].clone())
-            runner.verify([1], [[tokens[-1]]], [len(tokens) - 1])
+            runner.verify([1], [TokenTree.chain([tokens[-1]])], [len(tokens) - 1])
 
         def restore(slot: int, offset: int, width: int) -> None:  # the block's K/V back to single-token bits
-            runner.rollback(slot, start + offset)
             for j in range(offset, offset + width):
-                runner.verify([slot], [[tokens[start + j]]], [start + j])
+                runner.verify([slot], [TokenTree.chain([tokens[start + j]])], [start + j])
 
         checked = 0
         for width in (3, 8):
             for offset in range(steps - width + 1):
-                runner.rollback(0, start + offset)
-                block, _ = runner.verify([0], [tokens[start + offset : start + offset + width]], [start + offset])
+                block, _ = runner.verify(
+                    [0], [TokenTree.chain(tokens[start + offset : start + offset + width])], [start + offset]
+                )
                 for j in range(width):
                     assert torch.equal(block[0, j], single[offset + j]), (width, offset, j)
                     checked += 1
                 restore(0, offset, width)
         for (offset0, width0), (offset1, width1) in (((0, 8), (5, 3)), ((10, 4), (2, 8)), ((7, 8), (7, 8))):
-            runner.rollback(0, start + offset0)
-            runner.rollback(1, start + offset1)
             rows = [
                 tokens[start + offset0 : start + offset0 + width0],
                 tokens[start + offset1 : start + offset1 + width1],

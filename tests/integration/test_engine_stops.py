@@ -105,7 +105,6 @@ def test_abort_in_the_middle_of_a_batch(target, reference):
     aborted = [o for o in result.outputs if o.request_id == ids[1]]
     assert aborted and aborted[0].finished and aborted[0].finish_reason == "abort"
     assert engine.scheduler.num_running == 3 and len(engine.scheduler.free_slots) == 1
-    assert engine.runner.target_cache.lengths[engine.scheduler.free_slots[0]] == 0
     for out in result.outputs:
         tokens[out.request_id] += out.new_token_ids
     while engine.has_unfinished_requests():

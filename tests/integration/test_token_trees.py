@@ -10,12 +10,12 @@ import torch
 
 from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig, EngineSpec
-from dflash2.engine import executor
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
 from dflash2.runner import ModelRunner
 from dflash2.runner.cache import bucket_nodes, node_buckets
-from dflash2.runner.compile import CompiledTarget, CompiledTreeTarget, cuda_graph_count
+from dflash2.runner.compile import CompiledTarget, cuda_graph_count
+from dflash2.spec import verify
 from dflash2.spec.adaptive import CostModel
 from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
@@ -140,9 +140,9 @@ def test_a_seeded_tree_request_does_not_follow_the_calibration_other_traffic_tau
     llm = LLM.from_engine(engine)
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
     before = llm.generate(PROMPTS[:2], seeded)
-    assert engine.executor.tree_calibration.offsets()[0, 0] != 0.0  # the seeded steps were counted too
+    assert engine.policy.tree_calibration.offsets()[0, 0] != 0.0  # the seeded steps were counted too
     llm.generate(PROMPTS * 3, SamplingParams(max_tokens=24, temperature=1.0))  # unseeded traffic
-    trained = engine.executor.tree_calibration.offsets()
+    trained = engine.policy.tree_calibration.offsets()
     assert any(abs(offset) > 0.1 for by_rank in trained.tolist() for offset in by_rank)
     after = llm.generate(PROMPTS[:2], seeded)
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
@@ -286,10 +286,10 @@ def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatc
         TokenTree([2, 40, 41], [-1, 0, 0]),
     ]
     starts = [len(p) for p in prompts]
-    eager, _ = runner.verify_tree([0, 1, 2], trees, starts)
-    module = CompiledTreeTarget(CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids)).eval()
+    eager, _ = runner.verify([0, 1, 2], trees, starts)
+    module = CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids).eval()
     monkeypatch.setattr(runner, "_cuda", True)  # static shapes, as CUDA graphs record them
-    padded, _ = runner._tree_call([0, 1, 2], trees, starts, forward=module)
+    padded, _ = runner.tree_call([0, 1, 2], trees, starts, forward=module)
     assert padded.shape[:2] == (3, 16)  # 3 rows (4 ran: the row bucket), 11 nodes padded to 16
     for row, tree in enumerate(trees):
         torch.testing.assert_close(padded[row, : len(tree)], eager[row, : len(tree)], rtol=1e-5, atol=1e-5)
@@ -357,7 +357,7 @@ def test_a_lookup_branch_teaches_the_lookup_estimate_not_the_trees(target, monke
     verified tree, the first-depth acceptances each estimate should have seen."""
     grown: dict[int, tuple[TokenTree, int, list[int]]] = {}  # id(tree with branch) -> (it, drafted, branch)
     verified: list[tuple[TokenTree, list[int]]] = []
-    with_branch, accept = TokenTree.with_branch, executor.accept_tree
+    with_branch, accept = TokenTree.with_branch, verify.accept_tree
 
     def branching(tree, token_ids, max_nodes):
         grown_tree = with_branch(tree, token_ids, max_nodes)
@@ -370,7 +370,7 @@ def test_a_lookup_branch_teaches_the_lookup_estimate_not_the_trees(target, monke
         return verdict
 
     monkeypatch.setattr(TokenTree, "with_branch", branching)
-    monkeypatch.setattr(executor, "accept_tree", accepting)
+    monkeypatch.setattr(verify, "accept_tree", accepting)
     kwargs = {"speculative_topk": 4, "speculative_num_draft_tokens": 12, "speculative_adaptive": True}
     engine = tiny_engine(target, tiny_drafter(target, 2, 8), 8, max_num_seqs=1, prompt_lookup_max=4, **kwargs)
     engine.policy.cost_model = TreeCosts(engine.spec)  # one row: a tree costs a chain's verify, + 1 ms drafting
