@@ -1,6 +1,6 @@
 """Verification of a drafted block: lossless rejection sampling with a bonus token.
 
-Spec §5.2 (dflash2-spec.md); Leviathan et al. 2023 / Chen et al. 2023 speculative sampling.
+docs/dflash2-spec.md §5.2; Leviathan et al. 2023 / Chen et al. 2023 speculative sampling.
 Greedy rows arrive with one-hot target probabilities and one-hot proposals, for which the
 same rule reduces exactly to "accept while the draft equals the target argmax".
 
