@@ -1,7 +1,13 @@
-"""References from the code to the docs resolve: every "§N" the code cites is a heading of
-docs/dflash2-spec.md, every docs/*.md or scripts/*.py path named in a comment or string exists, a
-quoted section name after such a path is a heading (or bold paragraph title) of that document, and
-the docs' own links to other docs' anchors land on a heading."""
+"""References between the code and the docs resolve.
+
+- Every "§N" cited in dflash2/, server/, scripts/ or tests/ (and every "spec §N" in README.md and
+  docs/) is a numbered heading of docs/dflash2-spec.md, and a module that cites "spec §N" names
+  that document.
+- Every docs/*.md, scripts/*.py, dflash2/… or server/… file named in a comment or string of the
+  code, or in the docs, exists; a quoted section name after a docs path (``docs/engine.md, "Token
+  trees"``) is a heading or bold paragraph title of that document.
+- The docs' links to anchors (``engine.md#token-trees``) land on a heading.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "docs" / "dflash2-spec.md"
 CODE_DIRS = ("dflash2", "server", "scripts", "tests")
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # "§N" written in the code that names a section of another document, by (file, text on the same line).
 EXTERNAL_CITATIONS = {("dflash2/models/tensor_parallel.py", "Megatron-LM")}
@@ -22,7 +29,9 @@ EXTERNAL_CITATIONS = {("dflash2/models/tensor_parallel.py", "Megatron-LM")}
 SECTION = re.compile(r"§(\d+(?:\.\d+)*)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$")
 SPEC_HEADING = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)\.?\s")
-PATH = re.compile(r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:scripts/[\w.-]+\.(?:py|sh)))")
+PATH = re.compile(
+    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:scripts/[\w.-]+\.(?:py|sh))|(?:(?:dflash2|server)/[\w/.-]+\.(?:py|md|cpp)))"
+)
 QUOTED_SECTION = re.compile(r"(docs/[\w.-]+\.md)`{0,2},?\s+\"([^\"]+)\"")
 MD_LINK = re.compile(r"\]\(([\w./-]*\.md)?#([\w-]+)\)")
 
@@ -98,7 +107,7 @@ def test_every_cited_section_has_a_heading() -> None:
                 if any(rel == f and marker in source_line for f, marker in EXTERNAL_CITATIONS):
                     continue
                 missing += [f"{rel}:{line_no + offset}: §{n}" for n in SECTION.findall(part) if n not in sections]
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in DOCS:
         for line_no, line in enumerate(doc.read_text().splitlines(), 1):
             for cited in re.findall(r"spec(?:\.md)?\)? (§[\d.]+(?:(?:, | and |–)§[\d.]+)*)", line):
                 missing += [
@@ -132,7 +141,13 @@ def test_paths_named_in_comments_and_strings_exist() -> None:
     assert not missing, "paths or sections named in the code that do not exist:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("doc", [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_paths_named_in_the_docs_exist(doc: Path) -> None:
+    missing = sorted({named for named in PATH.findall(doc.read_text()) if not (REPO / named).exists()})
+    assert not missing, f"{doc.name} names files that do not exist: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_markdown_anchor_links_resolve(doc: Path) -> None:
     broken = []
     for target, anchor in MD_LINK.findall(doc.read_text()):
