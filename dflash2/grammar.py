@@ -13,7 +13,7 @@ A request with ``SamplingParams.grammar`` (an llguidance grammar: Lark text, or 
 Rejection sampling then runs on the masked distribution p′ with the drafter's q unchanged: a
 forbidden draft has p′ = 0 and is rejected, the residual max(0, p′ − q) holds only legal tokens and
 the bonus token comes from p′, so the output is distributed exactly as masked target-only decoding
-(the argument of dflash2-spec.md §5.2 with p′ for p). The matcher itself advances only by committed
+(the argument of docs/dflash2-spec.md §5.2 with p′ for p). The matcher itself advances only by committed
 tokens; a rejected draft never touches it, so nothing needs rolling back.
 
 **Budget.** A grammar also has to *finish* within ``max_tokens``. At every masked position the backend

@@ -1,4 +1,4 @@
-"""The drafter context rows committed and have not written yet (spec §5.4): batched for one write.
+"""The drafter context rows committed and have not written yet (docs/dflash2-spec.md §5.4): batched for one write.
 
 A verify step keeps the committed tokens' target features on each request (``Request.pending_context``);
 they become drafter context K/V when the row drafts next (inside the drafting forward), when it holds

@@ -1,6 +1,6 @@
 """The speculative engine: continuous batching over the DFlash 2 draft–select–verify step.
 
-One ``Engine.step`` reads like the algorithm (DESIGN.md, spec §9):
+One ``Engine.step`` reads like the algorithm (docs/engine.md; docs/dflash2-spec.md §9):
 
     schedule     admit waiting requests into KV slots (prefix cache)       engine/slots.py
     prefill      their prompts, and each one's first token                 engine/executor.py

@@ -94,10 +94,10 @@ class Postprocessor:
             stats.drafted_per_position = [0] * (self.spec.block_size - 1)
 
     def _keep_context(self, rows: list[Request], verified: Verified) -> None:
-        """The anchor's and accepted drafts' features become drafter context (spec §5.4), written when the
-        row drafts next (a step without drafts needs none) or when it ends. One copy of the committed rows
-        for the whole step (a CUDA graph overwrites its outputs at the next replay); each request keeps a
-        view of its part."""
+        """The anchor's and accepted drafts' features become drafter context (docs/dflash2-spec.md §5.4),
+        written when the row drafts next (a step without drafts needs none) or when it ends. One copy of the
+        committed rows for the whole step (a CUDA graph overwrites its outputs at the next replay); each
+        request keeps a view of its part."""
         assert verified.features is not None
         device = verified.features.device
         counts = [acc + 1 for acc in verified.num_accepted]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class PendingContext:
-    """Committed tokens' target features not yet written as drafter context (spec §5.4).
+    """Committed tokens' target features not yet written as drafter context (docs/dflash2-spec.md §5.4).
 
     A verify step appends the features of the tokens it committed (always contiguous positions);
     they are written in one call just before the request drafts again, or when it ends, so steps

@@ -1,6 +1,6 @@
 """DFlash (v1) and DFlash 2 block drafters in the published checkpoint layout.
 
-Spec §2 (drafter forward), §3 (DFlash 2 dynamic convolution), §4 (candidate selector
+docs/dflash2-spec.md §2 (drafter forward), §3 (DFlash 2 dynamic convolution), §4 (candidate selector
 weights) and §1.3 (tensor names). The drafter shares the target's embedding and LM head,
 which are bound at run time and never saved with it.
 
@@ -512,7 +512,7 @@ class DFlashDrafter(nn.Module):
         write_positions: torch.Tensor,
         caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Write context K/V ("KV injection", spec §2.2) of ``features [R, L, F·H]`` at
+        """Write context K/V ("KV injection", spec §2.3) of ``features [R, L, F·H]`` at
         ``(write_slots, write_positions) [R, L]`` into each layer's ``caches[i] = (k, v)``, each
         ``[slots, nkv, max_len, d]``, in place (static shapes: the model runner compiles this).
 

@@ -1,6 +1,6 @@
 """``DrafterConfig``: the shape and DFlash settings of a drafter, parsed from its config.json.
 
-Reads both published layouts (spec §1.1 DFlash v1, §1.2 DFlash 2) the way the reference loaders
+Reads both published layouts (docs/dflash2-spec.md §1.1 DFlash v1, §1.2 DFlash 2) the way the reference loaders
 read them, and writes the DFlash 2 layout (or v1 when the drafter has no convolution and no
 selector).
 """

@@ -8,7 +8,7 @@ from dflash2.models.drafter_config import DrafterConfig, default_target_layer_id
 
 
 def pick_mask_token_id(tokenizer: Any | None, vocab_size: int) -> int:
-    """A target embedding row to use as the MASK token (spec §1.1).
+    """A target embedding row to use as the MASK token (docs/dflash2-spec.md §1.1).
 
     Order: a ``<|MASK|>`` token; a spare embedding row past the tokenizer; the last added
     special token that is not BOS/EOS/PAD or part of a chat turn (for SmolLM2 ``<empty_output>``).

@@ -2,7 +2,7 @@
 
 Runs one row at a time with a ``DynamicCache`` per slot, cropped to the committed length
 before each forward (the rollback). Results are identical to the batched decoders; it is
-only slower. Features come from ``output_hidden_states[id + 1]`` (spec §2.1).
+only slower. Features come from ``output_hidden_states[id + 1]`` (docs/dflash2-spec.md §2.1).
 
 Dimension letters: R rows, L positions per row, V vocab, F·H captured features.
 """

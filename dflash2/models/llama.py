@@ -3,7 +3,7 @@
 Differences from the Hugging Face reference implementations (same math, same weights):
 a batched forward over rows of different lengths and start positions, a preallocated
 per-slot KV cache (``KVCache``) with O(1) rollback, and capture of the residual stream at
-the drafter's ``target_layer_ids`` only (spec §2.1: the output of decoder layer ``id``).
+the drafter's ``target_layer_ids`` only (docs/dflash2-spec.md §2.1: the output of decoder layer ``id``).
 
 Two entry points share the layers: :meth:`TargetModel.forward` runs a ragged
 :class:`ForwardBatch` (prefill), and :meth:`TargetModel.forward_slots` runs a static-shape block

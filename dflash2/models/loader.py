@@ -167,7 +167,7 @@ def check_drafter_matches(drafter: DFlashDrafter, target: Target) -> None:
         )
 
 
-# ---- drafter checkpoints (the published layout, spec §1) ------------------------------------
+# ---- drafter checkpoints (the published layout, docs/dflash2-spec.md §1) ------------------------------------
 
 # Optional frequency-ranked draft vocabulary, kept beside (not inside) the published layout.
 DRAFT_VOCAB_FILE = "draft_vocab.json"

@@ -269,7 +269,7 @@ class DraftRunner:
         """Write drafter context K/V for the first ``lengths[r]`` rows of ``features [R, L, F·H]``.
 
         Row r's tokens sit at positions ``starts[r] ..``; afterwards the slot's draft context
-        covers every position whose target feature is known (spec §10 cache discipline).
+        covers every position whose target feature is known (docs/dflash2-spec.md §10, cache discipline).
         """
         if self.context_forward is not None:
             self.context_call(slots, PendingWrites(features, list(lengths), list(starts)))

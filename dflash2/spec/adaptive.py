@@ -14,7 +14,7 @@ and takes the best, where
 - ``E_r[k] = 1 + Σ_{j=1..k} Π_{i≤j} a_r,i`` with ``a_r,i`` row r's estimated probability that draft
   i is accepted when drafts 1 … i−1 were (an exponentially weighted average of its own verify
   outcomes, started from the engine-wide recent average, and drawn back toward it on steps without
-  drafts so a row is re-tried; spec §5.2's τ is E[W − 1] for a full block). The engine-wide recent
+  drafts so a row is re-tried; docs/dflash2-spec.md §5.2's τ is E[W − 1] for a full block). The engine-wide recent
   average is in turn drawn back toward the drafter's long-run acceptance (all outcomes so far) on
   steps where no row drafts: otherwise a hard stretch of text that stops every row from drafting
   would freeze the estimates where that stretch left them, and the engine would never draft again

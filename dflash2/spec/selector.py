@@ -1,6 +1,6 @@
 """DFlash 2 candidate selector: top-k candidates, lattice scores and the path walk.
 
-Spec §4 (dflash2-spec.md). Pure tensor functions with no state and no host syncs.
+docs/dflash2-spec.md §4. Pure tensor functions with no state and no host syncs.
 
 Dimension letters:
     R  rows (requests)            J  drafted slots per block (block size − 1)

@@ -8,7 +8,7 @@ time). Built like EAGLE-2's dynamic trees (Li et al. 2024): a beam over the latt
 a candidate, and the ``num_nodes`` best candidates overall form the tree (a node never scores above
 its parent, so the kept set is closed under parents). Verification is SpecInfer's tree attention
 (Miao et al. 2023): node i sits at position ``start + depth(i)`` and sees the context and its own
-ancestors.
+ancestors. docs/dflash2-spec.md §6 specifies the tree, its mask and its acceptance rule.
 
 Acceptance (:func:`accept_tree`) is recursive rejection sampling over deterministic children with
 point-mass proposals. At a node whose target distribution is p, its children c₁, c₂, … (best first)

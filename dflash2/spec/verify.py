@@ -8,7 +8,7 @@ distribution over its candidates (:func:`rejection_accept`, batched over the row
 deterministic, q a point mass, and the same rule tries them in turn
 (:func:`dflash2.spec.tree.accept_tree`).
 
-Spec §5.2 (dflash2-spec.md); Leviathan et al. 2023 / Chen et al. 2023 speculative sampling.
+docs/dflash2-spec.md §5.2; Leviathan et al. 2023 / Chen et al. 2023 speculative sampling.
 Greedy rows arrive with one-hot target probabilities and one-hot proposals, for which the
 same rule reduces exactly to "accept while the draft equals the target argmax".
 

@@ -1,4 +1,4 @@
-"""Block sampling, labels and loss weights for DFlash training (spec §7, §10). Pure functions.
+"""Block sampling, labels and loss weights for DFlash training (docs/dflash2-spec.md §7, §10). Pure functions.
 
 Dimension letters: S sequence length, n blocks, B block size, J = B−1 drafted slots,
 k candidates, V vocabulary, r selector rank.

@@ -1,4 +1,4 @@
-"""Target features for training, computed once and cached on disk (spec §2.1, §7)."""
+"""Target features for training, computed once and cached on disk (docs/dflash2-spec.md §2.1, §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DFlash / DFlash 2 block training against a frozen target (spec §7).
+"""DFlash / DFlash 2 block training against a frozen target (docs/dflash2-spec.md §7).
 
 Each step samples conversations, random anchors on their response tokens and blocks
 ``[x_a, MASK × (B−1)]``; the drafter attends to the target's cached features strictly before

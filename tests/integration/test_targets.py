@@ -87,7 +87,7 @@ def test_features_are_layer_outputs(tmp_path):
     _, features = target.run(ForwardBatch.build([0], [prompt], [0], "cpu"), target.new_cache(1, 16), (1, 3))
     with torch.no_grad():
         hidden = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-    # spec §2.1: layer id's output is HF hidden_states[id + 1]; the last layer's is before the final norm
+    # docs/dflash2-spec.md §2.1: layer id's output is HF hidden_states[id + 1]; the last one's is before the final norm
     assert torch.allclose(features[0, :, :64], hidden[2][0], atol=1e-5)
     assert not torch.allclose(features[0, :, 64:], hidden[4][0], atol=1e-3)  # hidden[4] has the final norm
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """DFlash / DFlash 2 drafter: identity equivalence, checkpoint layout, conv and mask invariants.
 
-Spec §1 (checkpoint layout), §2.4 (mask), §3 (dynamic convolution), §4.4 (selector init), §10.
+docs/dflash2-spec.md §1 (checkpoint layout), §2.4 (mask), §3 (dynamic convolution), §4.4 (selector init), §10.
 """
 
 from __future__ import annotations

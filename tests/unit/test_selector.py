@@ -1,4 +1,4 @@
-"""Selector lattice and walk (spec §4, §10)."""
+"""Selector lattice and walk (docs/dflash2-spec.md §4, §10)."""
 
 from __future__ import annotations
 

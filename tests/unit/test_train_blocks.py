@@ -1,4 +1,4 @@
-"""Training blocks, masks and loss weights (spec §7, §10)."""
+"""Training blocks, masks and loss weights (docs/dflash2-spec.md §7, §10)."""
 
 from __future__ import annotations
 
