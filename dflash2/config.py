@@ -261,7 +261,6 @@ class EngineSpec:
     """An engine's settings resolved against its loaded models, fixed at start-up (``resolve_spec``).
 
     Attributes:
-        config: what was asked for.
         block_size: B, tokens per verify block, anchor included (1: autoregressive decoding).
         speculative: steps draft blocks (B > 1, a drafter is loaded).
         adaptive: the adaptive policy chooses each step's verify width (speculative and
@@ -279,7 +278,6 @@ class EngineSpec:
         tree_nodes: drafted nodes of a full-block tree per row, the anchor not counted (0: chains).
     """
 
-    config: EngineConfig
     block_size: int
     speculative: bool
     adaptive: bool
@@ -337,7 +335,6 @@ def resolve_spec(config: EngineConfig, target: Any, drafter: Any | None) -> Engi
     tree_topk, tree_nodes = _tree(config, target, drafter, block_size)
     kv_bytes = _kv_bytes_per_token(target, drafter if speculative else None)
     return EngineSpec(
-        config=config,
         block_size=block_size,
         speculative=speculative,
         adaptive=adaptive,
