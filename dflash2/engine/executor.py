@@ -88,8 +88,7 @@ class StepExecutor:
         elif plan.source is DraftSource.DRAFTER:
             drafted = self._draft(rows, plan.width)
             proposal, draft_seconds = drafted.proposal, drafted.draft_seconds
-            select_in_draft = drafted.select_seconds is None
-            select_seconds = drafted.select_seconds or 0.0
+            select_seconds, select_in_draft = drafted.select_seconds, drafted.select_in_draft
         elif plan.source is DraftSource.LOOKUP:
             assert plan.lookup is not None
             proposal = plan.lookup

@@ -36,12 +36,14 @@ class Drafted:
         proposal: the drafted path over W − 1 slots, candidates as token ids.
         draft_seconds: the drafter's forward, with the context write, and with the selector where
             it runs in the same graph.
-        select_seconds: the selector's own time; None when it ran inside the drafting graph.
+        select_seconds: the selector's own time (0 when it ran inside the drafting graph).
+        select_in_draft: the selector ran inside the drafting graph (its time is in ``draft_seconds``).
     """
 
     proposal: Proposal
     draft_seconds: float
-    select_seconds: float | None
+    select_seconds: float
+    select_in_draft: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class DraftRunner:
         if self.selects_in_draft:
             _, _, *path = self.draft_call(slots, anchor_ids, starts, width, context, temperatures, uniforms)
             proposal = Proposal(*(t[:, : width - 1] for t in path))
-            return Drafted(proposal, self.phase_end() - start, None)
+            return Drafted(proposal, self.phase_end() - start, 0.0, select_in_draft=True)
         hidden, logits = self.draft_block(slots, anchor_ids, starts, width, context)
         drafted = self.phase_end()
         proposal = drafter_path(
