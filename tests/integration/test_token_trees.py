@@ -295,6 +295,23 @@ def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatc
         torch.testing.assert_close(padded[row, : len(tree)], eager[row, : len(tree)], rtol=1e-5, atol=1e-5)
 
 
+def test_one_verify_gives_chains_the_same_logits_on_the_causal_and_the_masked_path():
+    """``ModelRunner.verify`` takes one list of trees: a batch of chains runs the causal forward, a batch with
+    a branching tree the masked one; a chain's logits are the same either way (float32, eager)."""
+    target = tiny_target("llama")
+    runner = ModelRunner(target, None, 4, 128, 8, enforce_eager=True, tree_nodes=16)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2]]
+    runner.prefill([0, 1], prompts, [0, 0])
+    chains = [TokenTree.chain([1, 20, 21, 22]), TokenTree.chain([2, 30])]
+    starts = [len(p) for p in prompts]
+    causal, _ = runner.verify([0, 1], chains, starts)
+    branching = TokenTree([3, 40, 41], [-1, 0, 0])
+    runner.prefill([2], [[6, 6, 1]], [0])
+    masked, _ = runner.verify([0, 1, 2], [*chains, branching], [*starts, 3])
+    for row, chain in enumerate(chains):
+        torch.testing.assert_close(masked[row, : len(chain)], causal[row, : len(chain)], rtol=1e-5, atol=1e-5)
+
+
 def test_adaptive_policy_prices_trees_against_chains_and_no_draft(target, reference):
     """With trees on, the adaptive policy measures tree steps at start-up and chooses per step between no
     draft, chains and trees of every width on their own acceptance and cost. A drafter whose first-ranked

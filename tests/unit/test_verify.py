@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from dflash2.sampling import SamplingParams, probs_from_logits
-from dflash2.spec.verify import greedy_accept, rejection_accept
+from dflash2.engine.policy import one_hot_proposal
+from dflash2.sampling import LogitsContext, SamplingParams, probs_from_logits
+from dflash2.spec.tree import TokenTree
+from dflash2.spec.verify import accept, greedy_accept, rejection_accept
 
 
 def _first_emitted(num_accepted, next_ids, draft_ids):
@@ -102,3 +104,37 @@ def test_greedy_accept_gives_the_general_rules_tokens():
     assert 0 < int((accepted > 0).sum()) < num_rows and int((accepted == num_drafts).sum()) > 0  # both cases occur
     none = greedy_accept(logits[:, :1], draft_ids[:, :0], torch.zeros(num_rows, dtype=torch.long))
     assert none[0].tolist() == [0] * num_rows and none[1].tolist() == argmax[:, 0].tolist()
+
+
+def test_one_acceptance_rule_for_chains_and_trees():
+    """``accept`` decides a batch of chains with their proposal distributions at once and a tree's point-mass
+    children one by one; on chains whose drafts are point masses (copied or forced drafts) both ways are the
+    same rule and, from the same uniforms, accept the same nodes and emit the same next tokens, greedy and
+    sampled, including rows where a draft is rejected and the next token comes from the residual."""
+    generator = torch.Generator().manual_seed(11)
+    vocab, rows, mismatches = 12, 64, 0
+    for trial in range(20):
+        lengths = torch.randint(1, 6, (rows,), generator=generator).tolist()  # nodes: the anchor and 0-4 drafts
+        width = max(lengths)
+        logits = torch.randn(rows, width, vocab, generator=generator) * 2.0
+        # Drafts the target often agrees with: the argmax half of the time, else a random token.
+        drafts = [
+            [
+                int(logits[r, j].argmax())
+                if torch.rand(1, generator=generator) < 0.5
+                else int(torch.randint(vocab, (1,), generator=generator))
+                for j in range(n - 1)
+            ]
+            for r, n in enumerate(lengths)
+        ]
+        trees = [TokenTree.chain([0, *d]) for d in drafts]
+        greedy = trial % 2 == 0
+        params = [SamplingParams(temperature=0.0 if greedy else 1.0) for _ in range(rows)]
+        ctx = LogitsContext(params=params, prompt_ids=[[1]] * rows, output_ids=[[0]] * rows, eos_token_ids=[])
+        uniforms = None if greedy else torch.rand(rows, width + 1, generator=generator)
+        batched = accept(trees, logits, ctx, one_hot_proposal(drafts, torch.device("cpu")), None, uniforms)
+        walked = accept(trees, logits, ctx, None, None, uniforms)
+        assert batched[0] == walked[0]
+        mismatches += sum(a != b for a, b in zip(batched[1], walked[1]))
+        assert any(len(nodes) < n - 1 for nodes, n in zip(batched[0], lengths))  # rejections happened
+    assert mismatches == 0
