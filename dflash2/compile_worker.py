@@ -46,15 +46,14 @@ def _run(job: dict[str, Any]) -> int:
     from dflash2.config import EngineConfig, resolve_spec
     from dflash2.loading import load_models
     from dflash2.runner.model_runner import ModelRunner
+    from dflash2.runner.settings import RunnerSpec
 
     inductor_config.compile_threads = 1  # one C++ build at a time: the server keeps the other cores
     config = EngineConfig(**job["config"])
     start = time.monotonic()
     models = load_models(config)
     spec = resolve_spec(config, models.target, models.drafter)
-    runner = ModelRunner(
-        models.target,
-        models.drafter if spec.speculative else None,
+    runner_spec = RunnerSpec(
         spec.max_num_seqs,
         spec.max_model_len,
         spec.block_size,
@@ -63,6 +62,7 @@ def _run(job: dict[str, Any]) -> int:
         tree_nodes=spec.tree_nodes,
         zeroed_caches=False,  # its caches' pages stay unbacked: warm-up writes only the scratch slot
     )
+    runner = ModelRunner(models.target, models.drafter if spec.speculative else None, runner_spec)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if runner.compile_failures:
         for name, error in runner.compile_failures.items():

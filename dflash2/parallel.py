@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import logging
 import multiprocessing.connection
@@ -32,12 +33,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash2.models.tensor_parallel import ShardInfo
+from dflash2.runner.settings import RunnerSpec
 
 if TYPE_CHECKING:
     from dflash2.config import EngineConfig
@@ -55,17 +56,6 @@ WORKER_METHODS = frozenset({"prefill", "verify", "commit", "copy_prefix", "free"
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed (its message names the rank); the engine cannot go on."""
-
-
-@dataclass(frozen=True)
-class RunnerArgs:
-    """What a worker builds its :class:`~dflash2.runner.ModelRunner` with: rank 0's resolved settings."""
-
-    num_slots: int
-    max_model_len: int
-    block_size: int
-    enforce_eager: bool
-    tree_nodes: int
 
 
 def backend_for(device: torch.device) -> str:
@@ -197,9 +187,10 @@ class TensorParallelGroup:
 
     # ---- messages --------------------------------------------------------------------------------
 
-    def start_runners(self, args: RunnerArgs) -> None:
-        """Send the workers their runners' settings; they build them (compiling in step with rank 0)."""
-        self._send(("build", args))
+    def start_runners(self, spec: RunnerSpec) -> None:
+        """Send the workers rank 0's runner settings; they build their runners from them (compiling in step
+        with rank 0; the server's background compilation is rank 0's alone, so ``defer_compile`` is off)."""
+        self._send(("build", dataclasses.replace(spec, defer_compile=False)))
 
     def wait_ready(self) -> None:
         """Wait until every worker has built its runner.
@@ -379,18 +370,10 @@ def worker_main(config: EngineConfig, rank: int, port: int, pipe: Any) -> None:
     os._exit(0)  # skip the interpreter's teardown of the process group and the compiled graphs
 
 
-def _build_runner(config: EngineConfig, target: Any, args: RunnerArgs) -> ModelRunner:
+def _build_runner(config: EngineConfig, target: Any, spec: RunnerSpec) -> ModelRunner:
     from dflash2.runner import ModelRunner
 
-    return ModelRunner(
-        target,
-        None,
-        args.num_slots,
-        args.max_model_len,
-        args.block_size,
-        enforce_eager=args.enforce_eager,
-        tree_nodes=args.tree_nodes,
-    )
+    return ModelRunner(target, None, spec)
 
 
 def _serve(runner: ModelRunner, pipe: Any) -> None:

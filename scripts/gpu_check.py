@@ -43,7 +43,7 @@ from dflash2.engine import Engine
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.drafter_factory import drafter_config_for_target
 from dflash2.models.llama import TargetModel
-from dflash2.runner import ModelRunner
+from dflash2.runner import ModelRunner, RunnerSpec
 from dflash2.spec.tree import TokenTree
 
 TAU = 4.8  # the seed paper's average acceptance length at B = 8 (Qwen3 8B-27B targets)
@@ -158,7 +158,7 @@ def time_runner(
     """Timings of one runner over a fresh bfloat16 target (a runner pre-packs its eager modules on CPU)."""
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, block_size) if with_drafter else None
-    runner = ModelRunner(target, drafter, 1, 2048, block_size, enforce_eager=eager)
+    runner = ModelRunner(target, drafter, RunnerSpec(1, 2048, block_size, enforce_eager=eager))
     context = 1024
     runner.prefill([0], [list(range(context))], [0])
     tokens = [TokenTree.chain([5] * block_size)]
@@ -185,7 +185,7 @@ def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, floa
     dynamic inductor graph on CPU."""
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, 8)
-    runner = ModelRunner(target, drafter, 1, 2048, 8, enforce_eager=eager, tree_nodes=max(TREE_NODES) - 1)
+    runner = ModelRunner(target, drafter, RunnerSpec(1, 2048, 8, enforce_eager=eager, tree_nodes=max(TREE_NODES) - 1))
     context = 1024
     runner.prefill([0], [list(range(context))], [0])
     result = {}
@@ -221,7 +221,7 @@ def tp_rank(rank: int, port: int, config: Any, device_type: str, results: Any) -
     context = 1024
     for mode in ("eager", "compiled"):
         target = shard_target(random_target(config, torch.bfloat16, torch.device("cpu")), shard).to(device)
-        runner = ModelRunner(target, None, 1, 2048, 8, enforce_eager=mode == "eager")
+        runner = ModelRunner(target, None, RunnerSpec(1, 2048, 8, enforce_eager=mode == "eager"))
         runner.prefill([0], [list(range(context))], [0])
         with torch.inference_mode():
             out[mode] = timed(lambda runner=runner: runner.verify([0], [TokenTree.chain([5] * 8)], [context]), device)

@@ -39,7 +39,7 @@ from dflash2.models.layers import batch_invariant
 from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
 from dflash2.parallel import TensorParallelError, TensorParallelGroup
 from dflash2.platform import CpuLoad
-from dflash2.runner import ModelRunner
+from dflash2.runner import ModelRunner, RunnerSpec
 from dflash2.runner.background import BackgroundCompiler, CompileStatus, compile_job
 from dflash2.sampling import SamplingParams
 from dflash2.threads import ThreadGovernor
@@ -103,9 +103,7 @@ class Engine:
         max_threads = torch.get_num_threads()  # before settle() lowers it on busy cores
         if self.threads is not None:
             self.threads.settle()  # start-up (compiling, timing step costs) at a count that fits the free cores
-        self.runner = ModelRunner(
-            target,
-            drafter if spec.speculative else None,
+        runner_spec = RunnerSpec(
             spec.max_num_seqs,
             spec.max_model_len,
             spec.block_size,
@@ -114,9 +112,9 @@ class Engine:
             dynamic_threads=self.threads is not None,
             use_selector=config.use_selector,
             tree_nodes=spec.tree_nodes,
-            tensor_parallel=tensor_parallel,
             defer_compile=config.background_compile,
         )
+        self.runner = ModelRunner(target, drafter if spec.speculative else None, runner_spec, tensor_parallel)
         self.compiler: BackgroundCompiler | None = None  # the compile worker while it runs
         self._compile_status = self._initial_compile_status()
         if self.runner.graphs_deferred:

@@ -387,7 +387,7 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
     if cache is not None and isinstance(drafter, DFlashDrafter) and drafter.supports_compile:
         own_layers = can_prepack(runner.device, runner.dtype)  # the eager drafter is packed in place
         compiled = CompiledDrafter(drafter, cache, own_layers)
-        if runner.device.type == "cuda":
+        if runner.cuda:
             modules.append(("drafter", compiled.eval()))
         else:
             # Small and shaped by the step (context widths up to a prompt, any row count): CUDA graphs
@@ -395,7 +395,7 @@ def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
             # On CPU one graph writes the context the rows committed since they last drafted, drafts
             # and chooses the path (one call per step instead of three).
             context = CompiledContext(compiled)
-            selector = CompiledSelector(drafter, runner.use_selector)
+            selector = CompiledSelector(drafter, runner.spec.use_selector)
             modules.append(("drafter", CompiledProposer(context, compiled, selector, runner.block_size).eval()))
             modules.append(("context", context.eval()))
     if linear_backend(runner.device, runner.dtype) in PROJECT_KERNELS:
@@ -442,7 +442,7 @@ def compile_modules(
         The :class:`CompiledForwards`: forwards, each graph's build time and source, failures.
     """
     start = time.perf_counter()
-    cuda = runner.device.type == "cuda"
+    cuda = runner.cuda
     logger.info(
         "%s the %s forward%s for %s%s",
         "loading" if load_only else "compiling",
@@ -451,7 +451,7 @@ def compile_modules(
         "CUDA graphs" if cuda else "inductor",
         "" if load_only else " (minutes on a small CPU; --enforce-eager skips this)",
     )
-    configure_compiler(runner.device, runner.dynamic_threads)
+    configure_compiler(runner.device, runner.spec.dynamic_threads)
     if cuda:  # one recorded graph per static shape: dynamo must not give up on them and run eagerly
         import torch._dynamo.config as dynamo_config
 
@@ -514,7 +514,7 @@ def _row_buckets_cuda(runner: ModelRunner) -> list[int]:
 
 def _row_buckets(runner: ModelRunner) -> list[int]:
     """Row counts to build graphs for: 1 and ≥ 2 on CPU; every bucket up to the slots on CUDA."""
-    if runner.device.type == "cuda":
+    if runner.cuda:
         return _row_buckets_cuda(runner)
     return [1, 2] if runner.num_slots >= 2 else [1]
 
@@ -524,7 +524,7 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any], result
     per row bucket, the drafter's block and the selector, the target and the context append at
     width 1 and at the block width (on CPU one graph covers every width from 2 up), and the token-tree
     forward (on CUDA at every node bucket, :func:`~dflash2.runner.cache.node_buckets`)."""
-    cuda, block_size, device, drafting = runner.device.type == "cuda", runner.block_size, runner.device, runner.drafting
+    cuda, block_size, device, drafting = runner.cuda, runner.block_size, runner.device, runner.drafting
     widths = dict.fromkeys((1, block_size)) if name in ("target", "context") else {block_size: None}
     if name == "tree":  # nodes per row, the root included: every bucket with CUDA graphs
         widths = dict.fromkeys(node_buckets(runner.max_tree_nodes) if cuda else [runner.tree_nodes + 1])

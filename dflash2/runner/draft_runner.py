@@ -24,6 +24,7 @@ from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import batch_invariant_enabled
 from dflash2.runner.cache import PendingWrites, bucket_rows, context_writes, draft_inputs, flat_context, key_length
 from dflash2.runner.compile import compiled_mode, graph_input, mark_dynamic
+from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.selector import Proposal, drafter_path, lattice_scores, topk_candidates
 from dflash2.spec.tree import path_log_probs
 
@@ -46,36 +47,14 @@ class Drafted:
     select_in_draft: bool = False
 
 
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where a runner's rows live: ``num_slots`` request slots plus the scratch slot that padding
-    writes, ``max_model_len`` positions each, on ``device`` in ``dtype``; ``block_size`` B."""
-
-    device: torch.device
-    dtype: torch.dtype
-    num_slots: int
-    max_model_len: int
-    block_size: int
-
-    @property
-    def scratch_slot(self) -> int:
-        """The slot padding rows read and write (after the request slots)."""
-        return self.num_slots
-
-    @property
-    def cuda(self) -> bool:
-        """True on a CUDA device (graphs with static shapes)."""
-        return self.device.type == "cuda"
-
-
 class DraftRunner:
     """The drafter with its context cache; runs a step's drafting.
 
     Args:
         drafter: the drafter bound to the target.
         cache: its context K/V (``num_slots + 1`` slots, one position more than a request uses).
-        layout: the runner's slots, device and block size.
-        use_selector: the drafted path walks the DFlash 2 lattice (``EngineConfig.use_selector``).
+        spec: the runner's settings (slots, block size, ``use_selector``).
+        device, dtype: where the runner's rows live and the dtype its graphs were built for.
 
     Attributes:
         forward: the compiled drafting forward (set by the runner after compiling), or None.
@@ -86,8 +65,10 @@ class DraftRunner:
             synchronization per phase; the benchmark sets it.
     """
 
-    def __init__(self, drafter: Drafter, cache: KVCache, layout: SlotLayout, use_selector: bool) -> None:
-        self.drafter, self.cache, self.layout, self.use_selector = drafter, cache, layout, use_selector
+    def __init__(
+        self, drafter: Drafter, cache: KVCache, spec: RunnerSpec, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.drafter, self.cache, self.spec, self.device, self.dtype = drafter, cache, spec, device, dtype
         self.forward: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self.context_forward: Callable[..., torch.Tensor] | None = None
         self.sync_timing = False
@@ -101,9 +82,14 @@ class DraftRunner:
         self.forward, self.context_forward = forward, context_forward
 
     @property
+    def cuda(self) -> bool:
+        """True on a CUDA device (graphs with static shapes)."""
+        return self.device.type == "cuda"
+
+    @property
     def selects_in_draft(self) -> bool:
         """The compiled drafting graph also writes the pending context and walks the path (CPU)."""
-        return self.forward is not None and not self.layout.cuda
+        return self.forward is not None and not self.cuda
 
     def propose(
         self,
@@ -149,7 +135,7 @@ class DraftRunner:
         hidden, logits = self.draft_block(slots, anchor_ids, starts, width, context)
         drafted = self.phase_end()
         proposal = drafter_path(
-            self.drafter, hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1], self.use_selector
+            self.drafter, hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1], self.spec.use_selector
         )
         return Drafted(proposal, drafted - start, self.phase_end() - drafted)
 
@@ -174,21 +160,21 @@ class DraftRunner:
             candidate_ids, unary = topk_candidates(logits, self.drafter.num_candidates)
             if self.drafter.draft_vocab is not None:
                 candidate_ids = self.drafter.draft_vocab[candidate_ids]
-            weights = self.drafter.selector_weights() if self.use_selector else None
+            weights = self.drafter.selector_weights() if self.spec.use_selector else None
             lattice = lattice_scores(hidden, anchor_ids, candidate_ids, unary, weights) if weights is not None else None
             log_probs = path_log_probs(unary, lattice)
         return candidate_ids, log_probs, self.phase_end() - start
 
     def check_width(self, width: int) -> None:
         """Raise ``ValueError`` unless 2 ≤ ``width`` ≤ B."""
-        if not 2 <= width <= self.layout.block_size:
-            raise ValueError(f"draft width {width} outside 2 … {self.layout.block_size}")
+        if not 2 <= width <= self.spec.block_size:
+            raise ValueError(f"draft width {width} outside 2 … {self.spec.block_size}")
 
     def phase_end(self) -> float:
         """``time.perf_counter()`` at the end of a phase, after the device's queued kernels when
         :attr:`sync_timing`."""
-        if self.sync_timing and self.layout.cuda:
-            torch.cuda.synchronize(self.layout.device)
+        if self.sync_timing and self.cuda:
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     def draft_block(
@@ -235,31 +221,30 @@ class DraftRunner:
         ``temperatures``), rows cut back to R."""
         forward = self.forward if forward is None else forward
         assert forward is not None
-        layout = self.layout
-        if layout.cuda:
+        if self.cuda:
             if context is not None:
                 self.append_context(slots, context.starts, context.features, context.lengths)
                 context = None
-            width = layout.block_size
-        num_rows, device = len(slots), layout.device
-        padded_rows = bucket_rows(num_rows, layout.num_slots) if layout.cuda else num_rows
+            width = self.spec.block_size
+        num_rows, device = len(slots), self.device
+        padded_rows = bucket_rows(num_rows, self.spec.num_slots) if self.cuda else num_rows
         max_start = int(starts.max())
         with compiled_mode():  # fresh tensors: the engine's may be inference tensors
-            inputs = draft_inputs(slots, anchor_ids, starts, width, padded_rows, layout.scratch_slot, device)
-            keys = torch.arange(key_length(max(max_start, 1), layout.max_model_len, layout.cuda), device=device)
-            mark_dynamic(inputs, keys, [inputs[1]], static=layout.cuda)
-            if layout.cuda:
+            inputs = draft_inputs(slots, anchor_ids, starts, width, padded_rows, self.spec.scratch_slot, device)
+            keys = torch.arange(key_length(max(max_start, 1), self.spec.max_model_len, self.cuda), device=device)
+            mark_dynamic(inputs, keys, [inputs[1]], static=self.cuda)
+            if self.cuda:
                 outputs = forward(*inputs, keys)
             else:
                 # At least two context tokens per row (padding writes the scratch slot), so that one graph
                 # per row class serves every step (a width of 1 would be a graph of its own).
                 if context is None:
-                    features = torch.zeros(num_rows, 2, self.drafter.feature_dim, dtype=layout.dtype)
+                    features = torch.zeros(num_rows, 2, self.drafter.feature_dim, dtype=self.dtype)
                     context = PendingWrites(features, [0] * num_rows, [0] * num_rows)
                 writes = self.context_inputs(slots, context, min_width=2)
                 mark_dynamic(writes, width_inputs=writes)
                 if temperatures is None or uniforms is None:
-                    temperatures, uniforms = torch.zeros(num_rows), torch.zeros(num_rows, layout.block_size - 1)
+                    temperatures, uniforms = torch.zeros(num_rows), torch.zeros(num_rows, self.spec.block_size - 1)
                 sampling = [graph_input(temperatures.float()), graph_input(uniforms.float())]
                 mark_dynamic(sampling)
                 outputs = forward(*writes, *inputs, keys, *sampling)
@@ -276,14 +261,13 @@ class DraftRunner:
         if self.context_forward is not None:
             self.context_call(slots, PendingWrites(features, list(lengths), list(starts)))
         else:  # through the eager drafter (its linears pre-packed on CPU)
-            flat = flat_context(slots, list(starts), features, list(lengths), self.layout.device)
+            flat = flat_context(slots, list(starts), features, list(lengths), self.device)
             self.drafter.append_context(self.cache, *flat)
 
     def context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
         """:func:`~dflash2.runner.cache.context_writes` as graph inputs, in the dtype the graphs were built for."""
-        layout = self.layout
-        features, *writes = context_writes(slots, context, layout.dtype, layout.scratch_slot, min_width)
-        return [graph_input(features), *(t.to(layout.device) for t in writes)]
+        features, *writes = context_writes(slots, context, self.dtype, self.spec.scratch_slot, min_width)
+        return [graph_input(features), *(t.to(self.device) for t in writes)]
 
     def context_call(
         self, slots: list[int], context: PendingWrites, forward: Callable[..., torch.Tensor] | None = None

@@ -36,7 +36,6 @@ from dflash2.models.cpu_kernels import AVX512_BF16
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
-from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
 from dflash2.runner.cache import (
     bucket_nodes,
@@ -49,7 +48,8 @@ from dflash2.runner.cache import (
 )
 from dflash2.runner.compile import compiled_mode, mark_dynamic
 from dflash2.runner.costs import measure_costs
-from dflash2.runner.draft_runner import DraftRunner, SlotLayout
+from dflash2.runner.draft_runner import DraftRunner
+from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.tree import TokenTree
 
 if TYPE_CHECKING:
@@ -69,28 +69,11 @@ class ModelRunner:
     Args:
         target: the loaded target.
         drafter: the drafter bound to it, or None (autoregressive decoding).
-        num_slots: KV slots (``max_num_seqs``); one scratch slot is added for padding.
-        max_model_len: positions per slot.
-        block_size: tokens per verify forward (1 = autoregressive).
-        enforce_eager: never compile.
-        deterministic: the engine runs its steps batch-invariant
-            (:func:`dflash2.models.layers.batch_invariant`); forwards then run eagerly, because the
-            compiled graphs fuse and reorder the very reductions that mode fixes.
-        dynamic_threads: the engine changes torch's CPU thread count while it runs
-            (``dflash2/threads.py``): compiled kernels then read the count when they run.
-        use_selector: the drafted path walks the DFlash 2 lattice (``EngineConfig.use_selector``).
-        tree_nodes: drafted nodes of a token tree (``EngineConfig.speculative_num_draft_tokens``) when
-            steps verify trees (``speculative_topk`` > 1), else 0; builds the tree verify graph.
+        spec: the runner's settings (:class:`~dflash2.runner.settings.RunnerSpec`).
         tensor_parallel: rank 0's :class:`~dflash2.parallel.TensorParallelGroup` when ``target`` is its
-            shard of a tensor-parallel target: every target forward is sent to the other ranks first,
-            the K/V bookkeeping with the next forward (``dflash2/parallel.py``). None: one process.
-        defer_compile: on CPU in one process, build the modules to compile but run eagerly until
-            :meth:`load_deferred_graphs` loads the graphs another process compiled and saved for them
-            (the server's background compilation, ``dflash2/runner/background.py``); elsewhere the
-            graphs are compiled here, as without it.
-        zeroed_caches: False leaves the KV caches uninitialised, so their pages stay unbacked until
-            written (the compile worker, which writes only the scratch slot; a target the project decodes
-            itself). True for every runner that serves.
+            shard of a tensor-parallel target: the workers build their runners from the same ``spec``,
+            every target forward is sent to them first, the K/V bookkeeping with the next forward
+            (``dflash2/parallel.py``). None: one process.
 
     Attributes:
         drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context
@@ -104,53 +87,37 @@ class ModelRunner:
         self,
         target: Any,
         drafter: Drafter | None,
-        num_slots: int,
-        max_model_len: int,
-        block_size: int,
-        enforce_eager: bool = False,
-        deterministic: bool = False,
-        dynamic_threads: bool = False,
-        use_selector: bool = True,
-        tree_nodes: int = 0,
+        spec: RunnerSpec,
         tensor_parallel: TensorParallelGroup | None = None,
-        defer_compile: bool = False,
-        zeroed_caches: bool = True,
     ) -> None:
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.spec = target, drafter, spec
         self.tensor_parallel = tensor_parallel
-        self.tree_nodes = tree_nodes
-        self.use_selector = use_selector
-        self.dynamic_threads = dynamic_threads
         embed_weight = target.embedding_weights()[0]
         self.device: torch.device = embed_weight.device
         self.dtype = embed_weight.dtype
-        if deterministic:
+        if spec.deterministic:
             check_deterministic(target, self.device, self.dtype)
-            if not enforce_eager:
+            if not spec.enforce_eager:
                 logger.info("deterministic mode: every forward runs eagerly (batch-invariant kernels)")
-            enforce_eager = True
-        self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
-        self.scratch_slot = num_slots
-        speculative = drafter is not None and block_size > 1
+        speculative = drafter is not None and spec.block_size > 1
         self.capture_layer_ids = tuple(drafter.config.target_layer_ids) if speculative and drafter else ()
         # One position more than a request can use: a key range [0, T) is then never the whole
         # cache, so the compiled graphs do not specialise on that case.
-        lazy = {} if zeroed_caches else {"zeroed": False}
-        self.target_cache = target.new_cache(num_slots + 1, max_model_len + 1, **lazy)
+        lazy = {} if spec.zeroed_caches else {"zeroed": False}
+        slots, positions = spec.num_slots + 1, spec.max_model_len + 1
+        self.target_cache = target.new_cache(slots, positions, **lazy)
         self.drafting: DraftRunner | None = None
         if speculative and drafter is not None:
-            layout = SlotLayout(self.device, self.dtype, num_slots, max_model_len, block_size)
-            cache = drafter.new_cache(num_slots + 1, max_model_len + 1, drafter.dtype, self.device, zeroed_caches)
-            self.drafting = DraftRunner(drafter, cache, layout, use_selector)
-        self._cuda = self.device.type == "cuda"
+            cache = drafter.new_cache(slots, positions, drafter.dtype, self.device, spec.zeroed_caches)
+            self.drafting = DraftRunner(drafter, cache, spec, self.device, self.dtype)
         if tensor_parallel is not None:  # the workers build theirs alongside, compiling the same graphs
-            tensor_parallel.start_runners(RunnerArgs(num_slots, max_model_len, block_size, enforce_eager, tree_nodes))
+            tensor_parallel.start_runners(spec)
         self.compile_times: dict[str, float] = {}  # seconds to build each graph at start-up
         self.graph_sources: dict[str, str] = {}  # and whether it was "compiled" or "loaded" (saved before)
         self.compile_seconds: float | None = None  # wall time of the whole compilation
         self.compile_failures: dict[str, str] = {}  # modules left eager, and why
         modules = []
-        if not enforce_eager and self.device.type in ("cpu", "cuda"):
+        if not spec.eager and self.device.type in ("cpu", "cuda"):
             try:
                 modules = graphs.build_modules(self)
             except Exception as error:
@@ -161,7 +128,7 @@ class ModelRunner:
         self._tree_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         # Modules whose graphs another process compiles (defer_compile): loaded by load_deferred_graphs.
         self._deferred: list[tuple[str, torch.nn.Module]] = []
-        if modules and defer_compile and self.device.type == "cpu" and tensor_parallel is None:
+        if modules and spec.defer_compile and self.device.type == "cpu" and tensor_parallel is None:
             self._deferred = modules
         else:
             if modules:  # the warm-up runs the eager forwards' Nones above
@@ -181,6 +148,17 @@ class ModelRunner:
         self.graph_sources.update(compiled.sources)
         self.compile_failures.update(compiled.failures)
         self.compile_seconds = compiled.seconds
+
+    num_slots = property(lambda self: self.spec.num_slots, doc="KV slots for requests (the scratch slot not counted).")
+    max_model_len = property(lambda self: self.spec.max_model_len, doc="Positions per slot.")
+    block_size = property(lambda self: self.spec.block_size, doc="B, tokens per verify forward.")
+    scratch_slot = property(lambda self: self.spec.scratch_slot, doc="The slot padding rows read and write.")
+    tree_nodes = property(lambda self: self.spec.tree_nodes, doc="Drafted nodes of a full-block tree (0: chains).")
+
+    @property
+    def cuda(self) -> bool:
+        """True on a CUDA device: compiled forwards are CUDA graphs with static shapes (bucketed rows, keys)."""
+        return self.device.type == "cuda"
 
     @property
     def graphs_deferred(self) -> bool:
@@ -212,7 +190,7 @@ class ModelRunner:
         """Verify widths (tokens per row) a forward runs at without padding: every width from 1 to the
         block eagerly and compiled on CPU (one dynamic graph for widths ≥ 2); 1 and the block with
         CUDA graphs (other widths are padded to the block)."""
-        if self._target_forward is not None and self._cuda:
+        if self._target_forward is not None and self.cuda:
             return tuple(dict.fromkeys((1, self.block_size)))
         return tuple(range(1, self.block_size + 1))
 
@@ -317,15 +295,15 @@ class ModelRunner:
         with compiled_mode():  # inputs are built here too: a graph is guarded on its inputs' flags
             longest = max(len(chain) for chain in chains)
             num_rows, width = len(slots), min(w for w in self.verify_widths if w >= longest)
-            padded_rows = bucket_rows(num_rows, self.num_slots) if self._cuda else num_rows
+            padded_rows = bucket_rows(num_rows, self.num_slots) if self.cuda else num_rows
             token_rows = [chain.token_ids for chain in chains]
             inputs = [
                 t.to(self.device)
                 for t in target_inputs(slots, token_rows, starts, width, padded_rows, self.scratch_slot)
             ]
             max_end = max(s + len(chain) for s, chain in zip(starts, chains))
-            keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda), device=self.device)
-            mark_dynamic(inputs, keys, inputs[:4], static=self._cuda)
+            keys = torch.arange(key_length(max_end, self.max_model_len, self.cuda), device=self.device)
+            mark_dynamic(inputs, keys, inputs[:4], static=self.cuda)
             logits, features = forward(*inputs, keys)
         return logits[:num_rows], features[:num_rows]
 
@@ -353,15 +331,15 @@ class ModelRunner:
         with compiled_mode():
             num_rows, width = len(slots), max(2, *(len(tree) for tree in trees))
             padded_rows = num_rows
-            if self._cuda:
+            if self.cuda:
                 width, padded_rows = bucket_nodes(width, self.max_tree_nodes), bucket_rows(num_rows, self.num_slots)
             inputs = [
                 t.to(self.device) for t in tree_inputs(slots, trees, starts, width, padded_rows, self.scratch_slot)
             ]
             max_end = max(s + len(tree) for s, tree in zip(starts, trees))
-            keys = torch.arange(key_length(max_end, self.max_model_len, self._cuda), device=self.device)
-            mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]], static=self._cuda)
-            if not self._cuda:
+            keys = torch.arange(key_length(max_end, self.max_model_len, self.cuda), device=self.device)
+            mark_dynamic(inputs, keys, [*inputs[:4], inputs[5]], static=self.cuda)
+            if not self.cuda:
                 torch._dynamo.maybe_mark_dynamic(inputs[5], 2)
             logits, features = forward(*inputs[:5], keys, inputs[5])
         return logits[:num_rows], features[:num_rows]

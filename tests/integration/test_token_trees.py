@@ -12,7 +12,7 @@ from dflash2 import LLM, SamplingParams
 from dflash2.config import EngineConfig, EngineSpec
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
-from dflash2.runner import ModelRunner
+from dflash2.runner import ModelRunner, RunnerSpec
 from dflash2.runner.cache import bucket_nodes, node_buckets
 from dflash2.runner.compile import CompiledTarget, cuda_graph_count
 from dflash2.spec import verify
@@ -277,7 +277,7 @@ def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatc
     bucket, keys to a power of two), run here on CPU through the same module: each row's logits at its
     own nodes equal the eager tree forward's, and the padding is cut from what it returns."""
     target = tiny_target("llama")
-    runner = ModelRunner(target, None, 4, 128, 8, enforce_eager=True, tree_nodes=16)
+    runner = ModelRunner(target, None, RunnerSpec(4, 128, 8, enforce_eager=True, tree_nodes=16))
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2], [11, 3, 6, 9, 12, 1, 2]]
     runner.prefill([0, 1, 2], prompts, [0, 0, 0])
     trees = [
@@ -288,7 +288,7 @@ def test_tree_forward_padded_to_static_buckets_gives_the_eager_logits(monkeypatc
     starts = [len(p) for p in prompts]
     eager, _ = runner.verify([0, 1, 2], trees, starts)
     module = CompiledTarget(runner.target, runner.target_cache, runner.capture_layer_ids).eval()
-    monkeypatch.setattr(runner, "_cuda", True)  # static shapes, as CUDA graphs record them
+    monkeypatch.setattr(ModelRunner, "cuda", property(lambda self: True))  # static shapes, as CUDA graphs record them
     padded, _ = runner.tree_call([0, 1, 2], trees, starts, forward=module)
     assert padded.shape[:2] == (3, 16)  # 3 rows (4 ran: the row bucket), 11 nodes padded to 16
     for row, tree in enumerate(trees):
@@ -299,7 +299,7 @@ def test_one_verify_gives_chains_the_same_logits_on_the_causal_and_the_masked_pa
     """``ModelRunner.verify`` takes one list of trees: a batch of chains runs the causal forward, a batch with
     a branching tree the masked one; a chain's logits are the same either way (float32, eager)."""
     target = tiny_target("llama")
-    runner = ModelRunner(target, None, 4, 128, 8, enforce_eager=True, tree_nodes=16)
+    runner = ModelRunner(target, None, RunnerSpec(4, 128, 8, enforce_eager=True, tree_nodes=16))
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2]]
     runner.prefill([0, 1], prompts, [0, 0])
     chains = [TokenTree.chain([1, 20, 21, 22]), TokenTree.chain([2, 30])]
