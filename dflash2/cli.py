@@ -62,6 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
     num_tokens = num_steps = num_accepted = num_lookup = num_tree_steps = 0
     draft_time = select_time = verify_time = 0.0
     select_in_draft = False
+    error: str | None = None
     for result in llm.stream(prompt, params):
         stats = result.stats
         select_in_draft = select_in_draft or stats.select_in_draft
@@ -77,6 +78,9 @@ def _generate(args: argparse.Namespace) -> int:
                 first_token_at = time.perf_counter()
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
+            if out.error is not None:  # its counts are not the request's
+                error = out.error
+                continue
             num_tokens, num_steps, num_accepted = (
                 out.num_output_tokens,
                 out.num_verify_steps,
@@ -98,6 +102,9 @@ def _generate(args: argparse.Namespace) -> int:
         + (f"; {num_tree_steps} of {num_steps} steps verified token trees" if llm.engine.spec.tree_topk > 1 else ""),
         file=sys.stderr,
     )
+    if error is not None:
+        print(f"dflash2: error: the request failed in the engine: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

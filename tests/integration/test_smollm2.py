@@ -155,3 +155,20 @@ def test_generate_says_how_many_steps_verified_token_trees(capsys):
     assert verified is not None and int(verified.group(1)) > 0, summary
     assert main(args) == 0  # chains: no tree count
     assert "token trees" not in capsys.readouterr().err
+
+
+def test_generate_exits_non_zero_when_its_request_fails_in_the_engine(capsys, monkeypatch):
+    """A request that fails inside the engine (here: every decode step raises) ends the command with exit
+    code 1 and one line naming the error, after the text it had."""
+    from dflash2.cli import main
+    from dflash2.engine.executor import StepExecutor
+
+    def failing(self, rows, plan):
+        raise RuntimeError("decode went wrong")
+
+    monkeypatch.setattr(StepExecutor, "decode", failing)
+    args = ["generate", "--prompt", "List three colours.", "--max-tokens", "16", "--enforce-eager", "--threads", "2"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "dflash2: error: the request failed in the engine: RuntimeError: decode went wrong" in err
+    assert "[dflash2] 1 tokens in" in err  # the first token came from the prefill, before the failure
