@@ -44,8 +44,8 @@ def _run(job: dict[str, Any]) -> int:
     import torch._inductor.config as inductor_config
 
     from dflash2.config import EngineConfig, resolve_spec
-    from dflash2.loading import load_models
     from dflash2.runner.model_runner import ModelRunner
+    from dflash2.runner.model_setup import load_models
 
     inductor_config.compile_threads = 1  # one C++ build at a time: the server keeps the other cores
     config = EngineConfig(**job["config"])

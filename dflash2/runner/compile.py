@@ -42,8 +42,8 @@ from dflash2.models.drafter import DFlashDrafter, inference_copy
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
-from dflash2.precompiled import PrecompiledForward
 from dflash2.runner.cache import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
+from dflash2.runner.precompiled import PrecompiledForward
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
 

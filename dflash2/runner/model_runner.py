@@ -36,7 +36,6 @@ from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
-from dflash2.parallel import RunnerArgs
 from dflash2.runner import compile as graphs
 from dflash2.runner.cache import (
     bucket_nodes,
@@ -50,10 +49,11 @@ from dflash2.runner.cache import (
 from dflash2.runner.compile import compiled_mode, mark_dynamic
 from dflash2.runner.costs import measure_costs
 from dflash2.runner.draft_runner import DraftRunner, SlotLayout
+from dflash2.runner.tensor_parallel import RunnerArgs
 from dflash2.spec.tree import TokenTree
 
 if TYPE_CHECKING:
-    from dflash2.parallel import TensorParallelGroup
+    from dflash2.runner.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
