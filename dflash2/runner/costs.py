@@ -5,14 +5,31 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from dflash2.spec.tree import build_trees
+from dflash2.runner.draft_runner import DraftRunner
+from dflash2.spec.tree import TokenTree, build_trees
 
-if TYPE_CHECKING:
-    from dflash2.runner.model_runner import ModelRunner
+
+class TimedRunner(Protocol):
+    """What the timings call on the runner (:class:`~dflash2.runner.ModelRunner` is one; naming this
+    instead keeps the runner's module, which calls the timings, out of this one's imports)."""
+
+    max_model_len: int
+    block_size: int
+    scratch_slot: int
+    device: torch.device
+    drafting: DraftRunner | None
+
+    def verify(
+        self, slots: list[int], token_rows: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def verify_tree(
+        self, slots: list[int], trees: Sequence[TokenTree], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class TimingInterrupted(Exception):
@@ -20,7 +37,7 @@ class TimingInterrupted(Exception):
 
 
 def measure_costs(
-    runner: ModelRunner,
+    runner: TimedRunner,
     row_counts: Sequence[int],
     widths: Sequence[int],
     repeats: int = 3,
@@ -66,7 +83,7 @@ def measure_costs(
 
 
 def measure_tree_costs(
-    runner: ModelRunner,
+    runner: TimedRunner,
     row_counts: Sequence[int],
     nodes: dict[int, int],
     topk: int,
@@ -107,7 +124,7 @@ def measure_tree_costs(
 
 
 def _verify_tree(
-    runner: ModelRunner,
+    runner: TimedRunner,
     slots: list[int],
     starts: list[int],
     candidate_ids: torch.Tensor,
