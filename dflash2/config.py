@@ -105,7 +105,7 @@ class EngineConfig:
         speculative_draft_quantization: the drafter's own linears, ``none``, ``int8`` or ``int4``
             (round to nearest; its KV cache stays in the serving dtype).
         tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this
-            process and N − 1 workers, one GPU each on CUDA (``dflash2/parallel.py``,
+            process and N − 1 workers, one GPU each on CUDA (``dflash2/runner/tensor_parallel.py``,
             ``dflash2/models/tensor_parallel.py``); 1 = one process.
     """
 

@@ -5,7 +5,7 @@ defaults). The server does not wait for them: its runner is built with ``defer_c
 forwards, the modules to compile built but not compiled), and :class:`BackgroundCompiler` starts a
 worker process — ``python -m dflash2.compile_worker`` — that loads the same models with the
 same settings, compiles and warms up every graph exactly as an up-front start would, and saves
-them (``dflash2/precompiled.py``) before it exits. The engine then loads the saved graphs between
+them (``dflash2/runner/precompiled.py``) before it exits. The engine then loads the saved graphs between
 two steps (:meth:`dflash2.engine.Engine.poll_compile`), seconds instead of minutes.
 
 Why a process and not a thread: warm-up and compilation run forwards that write the runner's KV
