@@ -16,10 +16,37 @@ class LLM:
     """Offline convenience API: ``LLM().generate(prompts, params)`` and ``LLM().stream(...)``.
 
     Keyword arguments are ``EngineConfig`` fields (model, drafter, block_size, …).
+
+    Close it when done — ``llm.close()``, or ``with LLM(...) as llm:`` — to stop its processes
+    (tensor-parallel workers, the background compile worker) and release its models and caches at once;
+    another engine, tensor-parallel or not, can then start in the same process. Afterwards ``generate``
+    and ``stream`` raise :class:`~dflash2.errors.EngineClosedError`. An ``LLM`` that is dropped
+    without ``close`` stops its processes when it is garbage-collected.
+
+    Raises:
+        dflash2.runner.tensor_parallel.TensorParallelError: with ``tensor_parallel_size`` > 1, a worker
+            failed to start, another tensor-parallel engine is still open in this process, or the script
+            builds the engine outside ``if __name__ == "__main__":`` (the message says which).
     """
 
     def __init__(self, model: str | None = None, drafter: str | None = None, **kwargs: Any) -> None:
         self.engine = Engine.from_config(EngineConfig(model=model, drafter=drafter, **kwargs))
+
+    def close(self) -> None:
+        """Close the engine (:meth:`dflash2.engine.Engine.close`): stop its processes, release its models,
+        caches and compiled graphs. Idempotent."""
+        self.engine.close()
+
+    @property
+    def is_closed(self) -> bool:
+        """True once :meth:`close` has run (here or on the engine)."""
+        return self.engine.is_closed
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
@@ -33,7 +60,11 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[StepResult]:
-        """Submit the prompts and yield every step's ``StepResult`` (deltas + ``StepStats``) until done."""
+        """Submit the prompts and yield every step's ``StepResult`` (deltas + ``StepStats``) until done.
+
+        Raises:
+            EngineClosedError: after :meth:`close` (at the first ``next``).
+        """
         yield from self._steps(self._submit(prompts, params))
 
     def generate(
@@ -42,7 +73,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_step: Callable[[StepResult], None] | None = None,
     ) -> list[Completion]:
-        """Generate to completion; returns one ``Completion`` per prompt, in order."""
+        """Generate to completion; returns one ``Completion`` per prompt, in order.
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+        """
         ids = self._submit(prompts, params)
         completions = {rid: Completion(request_id=rid) for rid in ids}
         for result in self._steps(ids):

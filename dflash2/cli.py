@@ -133,7 +133,7 @@ def _offline_dtype(config: EngineConfig) -> Any:
     float32 on CPUs whose bfloat16 speed comes from the engine's packed kernel
     (:func:`dflash2.models.layers.linear_backend` ``"avx2"``), since these commands run plain
     ``nn.Linear`` layers (PyTorch's bfloat16 there is several times slower than float32);
-    otherwise :func:`dflash2.loading.resolve_dtype`."""
+    otherwise :func:`dflash2.runner.model_setup.resolve_dtype`."""
     import torch
 
     from dflash2.models.layers import linear_backend
@@ -141,7 +141,7 @@ def _offline_dtype(config: EngineConfig) -> Any:
     cpu = config.torch_device.type == "cpu"
     if config.dtype == "auto" and cpu and linear_backend(config.torch_device, torch.bfloat16) == "avx2":
         return torch.float32
-    from dflash2.loading import resolve_dtype
+    from dflash2.runner.model_setup import resolve_dtype
 
     return resolve_dtype(config)
 
@@ -209,8 +209,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dflash2.loading import resolve_drafter_path
     from dflash2.models import loader
+    from dflash2.runner.model_setup import resolve_drafter_path
     from dflash2.train import evaluate
     from dflash2.train.data import TokenDataset
     from dflash2.train.features import extract_features

@@ -3,7 +3,7 @@
 
 It reads its job, one JSON object (:func:`dflash2.runner.background.compile_job`), from stdin, loads the
 models with the engine's settings, builds a runner exactly as an up-front start would — compiling,
-warming up on its own caches and saving every graph (``dflash2/precompiled.py``) — and exits 0 when
+warming up on its own caches and saving every graph (``dflash2/runner/precompiled.py``) — and exits 0 when
 every graph compiled. It logs to stderr as ``LEVEL logger: message`` lines, which the server logs again.
 The server lowers its priority right after starting it; Linux ends it when the server's engine thread
 exits (``PR_SET_PDEATHSIG``). A module of its own, imported by nothing, so that ``-m`` runs it once.
@@ -44,8 +44,8 @@ def _run(job: dict[str, Any]) -> int:
     import torch._inductor.config as inductor_config
 
     from dflash2.config import EngineConfig, resolve_spec
-    from dflash2.loading import load_models
     from dflash2.runner.model_runner import ModelRunner
+    from dflash2.runner.model_setup import load_models
     from dflash2.runner.settings import RunnerSpec
 
     inductor_config.compile_threads = 1  # one C++ build at a time: the server keeps the other cores

@@ -47,7 +47,7 @@ class EngineConfig:
             model's limit (``max_position_embeddings``), lowered while the KV caches would not
             fit in half of the free memory.
         device, dtype: where and in what precision weights and caches live (``auto``: see
-            ``torch_device`` and ``dflash2.loading.resolve_dtype``).
+            ``torch_device`` and ``dflash2.runner.model_setup.resolve_dtype``).
         seed: seeds the per-request generators of requests that give no seed.
         num_threads: torch intra-op threads on CPU (None = the CPUs this process may use).
         adaptive_threads: on CPU, run with fewer threads while that is measurably faster (other
@@ -105,7 +105,7 @@ class EngineConfig:
         speculative_draft_quantization: the drafter's own linears, ``none``, ``int8`` or ``int4``
             (round to nearest; its KV cache stays in the serving dtype).
         tensor_parallel_size: ranks the target is split over (vLLM's ``--tensor-parallel-size``): this
-            process and N − 1 workers, one GPU each on CUDA (``dflash2/parallel.py``,
+            process and N − 1 workers, one GPU each on CUDA (``dflash2/runner/tensor_parallel.py``,
             ``dflash2/models/tensor_parallel.py``); 1 = one process.
     """
 

@@ -205,7 +205,7 @@ class EngineClient:
             route = self._routes.pop(request_id, None)
             if route is not None:
                 self._finish_timings(route[0].timings[route[1]], "abort", now)
-            if self.engine is not None:
+            if self.engine is not None and not self.engine.is_closed:  # a closed engine holds no request
                 self.engine.abort(request_id)
         self._notify()
 

@@ -15,8 +15,8 @@ import uvicorn
 
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.loading import untrained_default_drafter
 from dflash2.models import loader, source
+from dflash2.runner.model_setup import untrained_default_drafter
 from server.app import create_app
 from server.engine_client import EngineClient
 from server.settings import ServerSettings

@@ -64,7 +64,7 @@ class MethodSpec:
             N nodes verified per row, anchor included (``--speculative-topk``,
             ``--speculative-num-draft-tokens``; ``dflash2/spec/tree.py``); 1 and 0 for chains.
         tensor_parallel_size: engine methods: ranks the target is split over (the ``-tpN`` rows;
-            ``dflash2/parallel.py``); 0 = the run's ``--tensor-parallel-size``.
+            ``dflash2/runner/tensor_parallel.py``); 0 = the run's ``--tensor-parallel-size``.
         quantization: engine methods: ``--quantization`` of the ``-quant-Q`` rows; "" = the run's.
         gguf_type: llama.cpp methods: the GGUF tensor type of the ``llama.cpp-T`` rows (the model's own
             GGUF file when it has that type, else one requantized from it); "" = the run's ``--gguf``.
@@ -151,7 +151,7 @@ class BenchConfig:
         tree_topk: the branching of those trees (``--speculative-topk``).
         tensor_parallel_rows: for each N, the autoregressive row and each dflash2 method's default (adaptive)
             row again with the target split over N ranks (rows ``ar-tp2``, ``dflash2-b8-adaptive-tp2``;
-            ``dflash2/parallel.py``); every other engine row runs at the run's ``--tensor-parallel-size``.
+            ``dflash2/runner/tensor_parallel.py``); every other engine row runs at the run's ``--tensor-parallel-size``.
         quantization_rows: for each ``--quantization`` value, the autoregressive row and each dflash2
             method's default (adaptive) row again with the target's weights held that way (rows
             ``ar-quant-none``, ``dflash2-b8-adaptive-quant-gguf``; ``dflash2/models/quantize.py``).

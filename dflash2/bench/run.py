@@ -14,7 +14,7 @@ from dflash2.bench.report import write_report
 from dflash2.bench.serving import run_serving
 from dflash2.bench.single_stream import run_single_stream
 from dflash2.bench.workload import build_workload
-from dflash2.loading import resolve_dtype
+from dflash2.runner.model_setup import resolve_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import torch
 from dflash2.api import LLM
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.loading import default_drafter_path
 from dflash2.outputs import StepResult, StepStats
+from dflash2.runner.model_setup import default_drafter_path
 from dflash2.sampling import SamplingParams
 
 

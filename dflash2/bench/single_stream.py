@@ -27,7 +27,7 @@ from dflash2.bench.stats import RunRecord, SpeedRow, summarize
 from dflash2.bench.worker import WorkerError, WorkerHandle
 from dflash2.bench.workload import Workload
 from dflash2.config import DTYPES
-from dflash2.loading import resolve_dtype
+from dflash2.runner.model_setup import resolve_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -32,20 +32,39 @@ from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.engine.request import Request
 from dflash2.engine.scheduler import Scheduler
 from dflash2.engine.slots import SlotTable
+from dflash2.errors import EngineClosedError
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
 from dflash2.models.drafter import DEFAULT_TOP_K, DFlashDrafter
 from dflash2.models.layers import batch_invariant
 from dflash2.outputs import FinishReason, RequestOutput, StepResult, StepStats
-from dflash2.parallel import TensorParallelError, TensorParallelGroup
 from dflash2.platform import CpuLoad
 from dflash2.runner import ModelRunner, RunnerSpec
 from dflash2.runner.background import BackgroundCompiler, CompileStatus, compile_job
+from dflash2.runner.tensor_parallel import TensorParallelError, TensorParallelGroup
+from dflash2.runner.tensor_parallel_worker import start_workers
 from dflash2.sampling import SamplingParams
 from dflash2.threads import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 Result = TypeVar("Result")
+
+# What Engine.close() lets go of: the models, their caches and compiled graphs, and the step's parts
+# that hold them (the prefix cache among them).
+_RELEASED = (
+    "target",
+    "drafter",
+    "tokenizer",
+    "grammar",
+    "runner",
+    "scheduler",
+    "policy",
+    "prefix_cache",
+    "slots",
+    "executor",
+    "postprocess",
+    "threads",
+)
 
 
 def _check_tensor_parallel(config: EngineConfig) -> None:
@@ -75,7 +94,13 @@ class Engine:
         eos_token_ids: ids that end a request unless ``ignore_eos``.
         model_name: the name reported to clients.
         tensor_parallel: rank 0's group when ``target`` is its shard of a tensor-parallel target
-            (:meth:`from_config` starts it; ``dflash2/parallel.py``); the engine closes it in :meth:`close`.
+            (:meth:`from_config` starts it; ``dflash2/runner/tensor_parallel.py``); the engine closes it in
+            :meth:`close`.
+
+    Lifetime: :meth:`close` (or ``with Engine.from_config(...) as engine:``) stops the engine's processes
+    and releases its models and caches; after it, every method but :meth:`close` raises
+    :class:`~dflash2.errors.EngineClosedError`. An engine dropped without ``close`` stops its processes
+    when it is garbage-collected.
 
     Raises:
         ValueError: settings the models cannot run (``dflash2.config.resolve_spec``; deterministic mode
@@ -92,6 +117,7 @@ class Engine:
         model_name: str = "model",
         tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
+        self._closed = False
         self.config, self.target, self.tokenizer, self.drafter = config, target, tokenizer, drafter
         self.tensor_parallel = tensor_parallel
         self.eos_token_ids, self.model_name = tuple(eos_token_ids), model_name
@@ -146,20 +172,20 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        """Load target, tokenizer and drafter as ``config`` says (``dflash2.loading.load_models``); with
+        """Load target, tokenizer and drafter as ``config`` says (``dflash2.runner.model_setup.load_models``); with
         ``tensor_parallel_size`` N > 1, start the N − 1 worker ranks first (:class:`TensorParallelGroup`).
 
         Raises:
             dflash2.models.source.ModelSourceError / dflash2.models.loader.ModelLoadError: with
                 a message that says what to do.
         """
-        from dflash2.loading import load_models
+        from dflash2.runner.model_setup import load_models
 
         if config.tensor_parallel_size == 1:
             m = load_models(config)
             return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name)
         _check_tensor_parallel(config)  # before any process starts
-        group = TensorParallelGroup.launch(config)
+        group = start_workers(config)
         try:
             m = load_models(config, shard=group.shard)
             return cls(config, m.target, m.tokenizer, m.drafter, m.eos_token_ids, m.model_name, tensor_parallel=group)
@@ -171,12 +197,50 @@ class Engine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and the compile worker, if any (idempotent); the engine runs
-        no step after this."""
-        if self.compiler is not None:
-            self.compiler.stop()
+        """Release what the engine holds: stop the compile worker and the tensor-parallel workers (and
+        destroy their process group, so another tensor-parallel engine can start in this process), and let
+        go of the models, the KV caches, the compiled graphs and the prefix cache. Queued and running
+        requests are dropped without outputs. Idempotent; afterwards every other method raises
+        :class:`~dflash2.errors.EngineClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        compiler, self.compiler = self.compiler, None
+        if compiler is not None:
+            compiler.stop()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        with self._lock:
+            self._inbox.clear()
+        for name in _RELEASED:
+            self.__dict__.pop(name, None)
+        if self.spec.device.type == "cuda":
+            import gc
+
+            gc.collect()  # the step's parts refer to each other: free them before returning the memory
+            torch.cuda.empty_cache()
+
+    @property
+    def is_closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    if not TYPE_CHECKING:  # mypy keeps checking attribute names; at run time this is reached only on a miss
+
+        def __getattr__(self, name: str) -> Any:
+            if name in _RELEASED and self.__dict__.get("_closed", False):
+                raise EngineClosedError(f"the engine is closed (its {name} was released); build a new one")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; build a new one")
 
     @property
     def fatal_error(self) -> str | None:
@@ -308,7 +372,9 @@ class Engine:
 
         Raises:
             ValueError / GrammarError / ContextLengthExceededError: see ``dflash2.engine.intake.new_request``.
+            EngineClosedError: after :meth:`close`.
         """
+        self._check_open()
         request = new_request(self.spec, self.tokenizer, self.grammar, prompt, params, request_id, self._seed_source)
         self.policy.start(request)
         with self._lock:
@@ -316,7 +382,12 @@ class Engine:
         return request.request_id
 
     def abort(self, request_id: str) -> None:
-        """Abort a queued or running request; its slot is freed at the start of the next step."""
+        """Abort a queued or running request; its slot is freed at the start of the next step.
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+        """
+        self._check_open()
         with self._lock:
             self._inbox.append(("abort", request_id))
 
@@ -329,7 +400,9 @@ class Engine:
         return [r.request_id for r in self.scheduler.running]
 
     def has_unfinished_requests(self) -> bool:
-        """True while anything is queued, running or waiting in the inbox."""
+        """True while anything is queued, running or waiting in the inbox (False once closed)."""
+        if self._closed:
+            return False
         with self._lock:
             pending = bool(self._inbox)
         return pending or bool(self.scheduler.running) or bool(self.scheduler.waiting)
@@ -338,7 +411,13 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> StepResult:
-        """One engine iteration: schedule → prefill → plan → propose → verify → commit → emit."""
+        """One engine iteration: schedule → prefill → plan → propose → verify → commit → emit.
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+            TensorParallelError: a tensor-parallel rank has failed (the engine cannot go on).
+        """
+        self._check_open()
         if self.compiler is not None:
             self.poll_compile(idle=False)  # a step boundary: the compiled graphs may come in here
         if self.threads is not None:

@@ -17,7 +17,7 @@
 
 The collectives are ``torch.distributed``'s functional collectives (gloo on CPU, NCCL on CUDA), which
 ``torch.compile`` traces into the runner's graphs. Every rank must run the same forwards in the same
-order: the runner's :class:`~dflash2.parallel.TensorParallelGroup` sees to that.
+order: the runner's :class:`~dflash2.runner.tensor_parallel.TensorParallelGroup` sees to that.
 
 Dimension letters: R rows, L positions per row, H hidden size, V vocab (Vₗ a rank's share), N ranks.
 """

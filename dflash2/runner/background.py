@@ -5,7 +5,7 @@ defaults). The server does not wait for them: its runner is built with ``defer_c
 forwards, the modules to compile built but not compiled), and :class:`BackgroundCompiler` starts a
 worker process — ``python -m dflash2.compile_worker`` — that loads the same models with the
 same settings, compiles and warms up every graph exactly as an up-front start would, and saves
-them (``dflash2/precompiled.py``) before it exits. The engine then loads the saved graphs between
+them (``dflash2/runner/precompiled.py``) before it exits. The engine then loads the saved graphs between
 two steps (:meth:`dflash2.engine.Engine.poll_compile`), seconds instead of minutes.
 
 Why a process and not a thread: warm-up and compilation run forwards that write the runner's KV
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -99,28 +100,17 @@ class BackgroundCompiler:
         assert self.process.stdin is not None and self.process.stderr is not None
         with self.process.stdin as stdin:
             stdin.write(json.dumps(job))
+        # The thread holds the tail, not this object: dropping the compiler lets it be collected (below).
         self._reader = threading.Thread(
-            target=self._relay, args=(self.process.stderr,), name="dflash2-compile-log", daemon=True
+            target=_relay, args=(self.process.stderr, self._tail), name="dflash2-compile-log", daemon=True
         )
         self._reader.start()
+        # Stops the worker at stop(), when this object is collected, or at exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _stop_process, self.process)
         # At the default log level too: decoding is slower until the graphs are in use (Engine.poll_compile says when).
         logger.warning(
             "serving with the eager forwards while a background process (pid %d) compiles the decode graphs", self.pid
         )
-
-    def _relay(self, stream: IO[str]) -> None:
-        """Log the worker's lines at their own level; keep the last ones."""
-        for line in stream:
-            line = line.rstrip()
-            if not line:
-                continue
-            self._tail.append(line)
-            level_name, _, rest = line.partition(" ")
-            level = logging.getLevelName(level_name)
-            if isinstance(level, int):
-                logger.log(level, "compile worker: %s", rest)
-            else:
-                logger.info("compile worker: %s", line)
 
     def poll(self) -> int | None:
         """The worker's exit status once it has exited (its log relayed), else None."""
@@ -138,13 +128,33 @@ class BackgroundCompiler:
 
     def stop(self) -> None:
         """End the worker if it still runs (idempotent)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self._finalizer()
+
+
+def _relay(stream: IO[str], tail: collections.deque[str]) -> None:
+    """Log the worker's lines at their own level; keep the last ones in ``tail``."""
+    for line in stream:
+        line = line.rstrip()
+        if not line:
+            continue
+        tail.append(line)
+        level_name, _, rest = line.partition(" ")
+        level = logging.getLevelName(level_name)
+        if isinstance(level, int):
+            logger.log(level, "compile worker: %s", rest)
+        else:
+            logger.info("compile worker: %s", line)
+
+
+def _stop_process(process: subprocess.Popen[str]) -> None:
+    """Terminate ``process`` if it still runs; kill it when it has not ended 10 s later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def compile_job(config: Any, max_model_len: int, num_threads: int, dynamic_threads: bool) -> dict[str, Any]:

@@ -9,7 +9,7 @@ the weights a graph reads to one static-shape method of the models —
 
 * **Weights as graph inputs.** Inductor's weights are not frozen (``freezing = False``): a graph
   reads them, and the caches, from its module at every call, so inductor's caches store the whole
-  compilation and a saved graph (:class:`~dflash2.precompiled.PrecompiledForward`) loads at the
+  compilation and a saved graph (:class:`~dflash2.runner.precompiled.PrecompiledForward`) loads at the
   next start. Every weight a graph reads is a parameter or buffer of its module.
 * **Packed bfloat16 CPU kernels as custom ops.** With the project's kernels the modules' linears are
   packed (:func:`~dflash2.models.layers.prepack_linears`) and the graphs call the ops with the
@@ -43,8 +43,8 @@ from dflash2.models.drafter import DFlashDrafter, inference_copy
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
-from dflash2.precompiled import PrecompiledForward
 from dflash2.runner.cache import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
+from dflash2.runner.precompiled import PrecompiledForward
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
 
@@ -432,7 +432,7 @@ def compile_modules(
 
     Args:
         load_only: (CPU) load the graphs another process saved and never compile one
-            (:class:`~dflash2.precompiled.PrecompiledForward`'s ``load_only``): a module without a
+            (:class:`~dflash2.runner.precompiled.PrecompiledForward`'s ``load_only``): a module without a
             saved graph that fits stays eager, with a warning.
 
     The runner's forwards run each graph once on its scratch slot (the warm-up); nothing of the runner
@@ -466,7 +466,7 @@ def compile_modules(
                 forward = torch.compile(module, dynamic=False, fullgraph=True, mode="reduce-overhead")
             else:
                 # Inductor graphs saved for the next start, dispatched without dynamo (see
-                # dflash2/precompiled.py); only the dims marked in the calls are dynamic (rows, keys).
+                # dflash2/runner/precompiled.py); only the dims marked in the calls are dynamic (rows, keys).
                 forward = PrecompiledForward(
                     module,
                     name,

@@ -5,14 +5,33 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from dflash2.runner.draft_runner import DraftRunner
 from dflash2.spec.tree import TokenTree, build_trees
 
-if TYPE_CHECKING:
-    from dflash2.runner.model_runner import ModelRunner
+
+class TimedRunner(Protocol):
+    """What the timings call on the runner (:class:`~dflash2.runner.ModelRunner` is one; naming this
+    instead keeps the runner's module, which calls the timings, out of this one's imports)."""
+
+    device: torch.device
+    drafting: DraftRunner | None
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def scratch_slot(self) -> int: ...
+
+    def verify(
+        self, slots: list[int], trees: Sequence[TokenTree], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class TimingInterrupted(Exception):
@@ -20,7 +39,7 @@ class TimingInterrupted(Exception):
 
 
 def measure_costs(
-    runner: ModelRunner,
+    runner: TimedRunner,
     row_counts: Sequence[int],
     widths: Sequence[int],
     repeats: int = 3,
@@ -68,7 +87,7 @@ def measure_costs(
 
 
 def measure_tree_costs(
-    runner: ModelRunner,
+    runner: TimedRunner,
     row_counts: Sequence[int],
     nodes: dict[int, int],
     topk: int,
@@ -109,7 +128,7 @@ def measure_tree_costs(
 
 
 def _verify_tree(
-    runner: ModelRunner,
+    runner: TimedRunner,
     slots: list[int],
     starts: list[int],
     candidate_ids: torch.Tensor,

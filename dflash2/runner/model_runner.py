@@ -53,7 +53,7 @@ from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.tree import TokenTree
 
 if TYPE_CHECKING:
-    from dflash2.parallel import TensorParallelGroup
+    from dflash2.runner.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,10 @@ class ModelRunner:
         target: the loaded target.
         drafter: the drafter bound to it, or None (autoregressive decoding).
         spec: the runner's settings (:class:`~dflash2.runner.settings.RunnerSpec`).
-        tensor_parallel: rank 0's :class:`~dflash2.parallel.TensorParallelGroup` when ``target`` is its
+        tensor_parallel: rank 0's :class:`~dflash2.runner.tensor_parallel.TensorParallelGroup` when ``target`` is its
             shard of a tensor-parallel target: the workers build their runners from the same ``spec``,
             every target forward is sent to them first, the K/V bookkeeping with the next forward
-            (``dflash2/parallel.py``). None: one process.
+            (``dflash2/runner/tensor_parallel.py``). None: one process.
 
     Attributes:
         drafting: the drafter's side (:class:`~dflash2.runner.draft_runner.DraftRunner`: its context

@@ -39,7 +39,6 @@ from server.protocol import (
     UsageInfo,
     check_tool_choice_type,
 )
-from server.responses.convert import ChatConversion, chat_conversion
 from server.tool_calling import new_tool_call_id
 from server.tool_parsers import ParsedToolCall
 
@@ -378,16 +377,6 @@ class ResponsesRequest(StrictModel):
         """The types of the hosted tools in ``tools`` (each once, in order): left out of the prompt."""
         kinds = [tool.type for tool in self.tools or () if isinstance(tool, HostedToolParam)]
         return list(dict.fromkeys(kinds))
-
-    def to_chat(self) -> ChatConversion:
-        """The equivalent chat completions request, and where each of its messages came from
-        (``server/responses/convert.py``).
-
-        Raises:
-            InvalidRequestError: no message at all, or the chat request does not validate (naming the Responses
-                field where it can).
-        """
-        return chat_conversion(self)
 
 
 def check_include(include: Sequence[str] | None) -> None:

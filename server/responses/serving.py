@@ -28,7 +28,7 @@ from server.errors import APIError
 from server.generation import Generation, usage_info
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.replies import ReplyStream, parse_reply
-from server.responses.convert import ChatConversion
+from server.responses.convert import ChatConversion, chat_conversion
 from server.responses.protocol import ResponseObject, ResponsesRequest, TextFormat, output_items
 from server.responses.retrieval import continued, input_items_json, previous_context
 from server.responses.store import JSONObject, ResponseStore
@@ -62,7 +62,7 @@ class ResponsesServing:
             () if request.previous_response_id is None else previous_context(self.store, request.previous_response_id)
         )
         own_items = input_items_json(request)
-        conversion = _with_context_sources(continued(request, context).to_chat(), len(context), request)
+        conversion = _with_context_sources(chat_conversion(continued(request, context)), len(context), request)
         chat = conversion.request
         try:
             generation, plan = await self.serving.start_chat(chat)

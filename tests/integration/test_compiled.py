@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
-from dflash2.precompiled import PrecompiledForward
 from dflash2.runner import ModelRunner, PendingWrites, key_length
+from dflash2.runner.precompiled import PrecompiledForward
 from dflash2.spec.adaptive import WidthChoice
 from dflash2.spec.selector import drafter_path
 from dflash2.spec.tree import TokenTree

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dflash2.loading
 import dflash2.models.layers
+import dflash2.runner.model_setup
 from dflash2.models import cpu_kernels
 from dflash2.models.layers import PackedLinear, linear_backend
 from dflash2.spec.tree import TokenTree
@@ -218,12 +218,12 @@ def test_auto_dtype_follows_the_kernel_for_the_engine_not_for_training(monkeypat
     from dflash2.config import EngineConfig
 
     monkeypatch.setenv("DFLASH2_CPU_KERNEL", "avx2")
-    monkeypatch.setattr(dflash2.loading, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(dflash2.runner.model_setup, "cpu_has_native_bf16", lambda: False)
     auto = EngineConfig(device="cpu")
-    assert dflash2.loading.resolve_dtype(auto) == torch.bfloat16
+    assert dflash2.runner.model_setup.resolve_dtype(auto) == torch.bfloat16
     assert cli._offline_dtype(auto) == torch.float32
     assert cli._offline_dtype(EngineConfig(device="cpu", dtype="bfloat16")) == torch.bfloat16
     monkeypatch.setenv("DFLASH2_CPU_KERNEL", "onednn")
     monkeypatch.setattr(dflash2.models.layers, "onednn_bf16", lambda device, dtype: True)
-    monkeypatch.setattr(dflash2.loading, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(dflash2.runner.model_setup, "cpu_has_native_bf16", lambda: True)
     assert cli._offline_dtype(EngineConfig(device="cpu")) == torch.bfloat16

@@ -339,8 +339,8 @@ def test_the_fallback_target_refuses_an_explicit_method():
 def test_the_embedded_q4_1_file_served_at_its_own_quantization_keeps_greedy_output_exact():
     """The real file end to end: SmolLM2's own Q4_1 GGUF named as --model (auto keeps its quantization),
     float32 activations, the shipped drafter: greedy speculative output equals autoregressive output."""
-    from dflash2.loading import default_drafter_path
     from dflash2.models.source import embedded_gguf_path
+    from dflash2.runner.model_setup import default_drafter_path
 
     kwargs = dict(
         model=str(embedded_gguf_path()),

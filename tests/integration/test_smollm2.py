@@ -11,9 +11,9 @@ import torch
 
 from dflash2 import LLM, EngineConfig, SamplingParams
 from dflash2.engine import Engine
-from dflash2.loading import untrained_default_drafter
 from dflash2.models import loader, source
 from dflash2.models.drafter_factory import drafter_config_for_target
+from dflash2.runner.model_setup import untrained_default_drafter
 from tests.tiny import OracleDrafter
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,8 @@ from dflash2 import LLM, EngineConfig, SamplingParams
 from dflash2.engine import Engine
 from dflash2.models import loader, source
 from dflash2.models.tensor_parallel import shard_target
-from dflash2.parallel import TensorParallelError, TensorParallelGroup
+from dflash2.runner.tensor_parallel import TensorParallelError
+from dflash2.runner.tensor_parallel_worker import start_workers
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.integration.test_prompt_lookup_engine import FixedCosts
 from tests.tiny import tiny_drafter, tiny_target
@@ -51,7 +52,7 @@ def engine_for(folder: Path, world_size: int, block_size: int | None = 8, drafte
         tensor_parallel_size=world_size,
         **kwargs,
     )
-    group = TensorParallelGroup.launch(config) if world_size > 1 else None
+    group = start_workers(config) if world_size > 1 else None
     target = loader.load_target(folder, torch.float32, torch.device("cpu"))
     drafter = None
     if drafter_seed is not None:
@@ -256,7 +257,7 @@ def test_a_model_that_cannot_split_fails_before_any_process_starts(monkeypatch):
     def no_launch(config):
         raise AssertionError("workers were started")
 
-    monkeypatch.setattr(TensorParallelGroup, "launch", no_launch)
+    monkeypatch.setattr("dflash2.engine.llm_engine.start_workers", no_launch)
     # SmolLM2: 3 KV heads, which 4 ranks can neither split nor share evenly.
     with pytest.raises(ValueError, match="--tensor-parallel-size 4 cannot split this model"):
         Engine.from_config(EngineConfig(tensor_parallel_size=4, device="cpu", dtype="float32"))

@@ -104,6 +104,10 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
+    @property
+    def is_closed(self) -> bool:
+        return self.closed
+
     def running_request_ids(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
 

@@ -14,7 +14,7 @@ import pytest
 from dflash2.outputs import RequestOutput, StepStats
 from dflash2.sampling import SamplingParams
 from server.protocol import UsageInfo
-from server.responses.convert import responses_param
+from server.responses.convert import chat_conversion, responses_param
 from server.responses.protocol import (
     OutputFunctionCall,
     OutputMessage,
@@ -186,7 +186,7 @@ def test_conversion_to_chat_messages():
             "text": {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}},
         }
     )
-    conversion = request.to_chat()
+    conversion = chat_conversion(request)
     chat = conversion.request
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant"]
     assistant = chat.messages[2]

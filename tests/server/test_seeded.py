@@ -14,8 +14,8 @@ import torch
 
 from dflash2.config import EngineConfig
 from dflash2.engine import Engine
-from dflash2.loading import default_drafter_path
 from dflash2.models import loader, source
+from dflash2.runner.model_setup import default_drafter_path
 from tests.live_server import ServerThread
 
 pytestmark = pytest.mark.slow

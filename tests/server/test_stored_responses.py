@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from server.responses.convert import chat_conversion
 from server.responses.protocol import ResponsesRequest
 from server.responses.retrieval import continued
 from server.responses.serving import _with_context_sources
@@ -289,7 +290,7 @@ async def test_continuing_with_tool_results_and_error_names():
         # request's own items by their own index.
         request = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "x"}] * 2})
         context = ({"id": "msg_1", "type": "message", "role": "user", "content": "old"},)
-        conversion = _with_context_sources(continued(request, context).to_chat(), 1, request)
+        conversion = _with_context_sources(chat_conversion(continued(request, context)), 1, request)
         assert [conversion.param(f"messages[{k}].content") for k in range(3)] == [
             "previous_response_id",
             "input[0]",

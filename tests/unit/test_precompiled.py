@@ -1,4 +1,4 @@
-"""Saved compiled graphs (dflash2/precompiled.py): a second module of the same shape loads them
+"""Saved compiled graphs (dflash2/runner/precompiled.py): a second module of the same shape loads them
 instead of tracing, reads its own weights, and a file that does not fit is compiled again."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash2 import precompiled
-from dflash2.precompiled import PrecompiledForward
+from dflash2.runner import precompiled
+from dflash2.runner.precompiled import PrecompiledForward
 
 WIDTH = 16
 
@@ -101,7 +101,7 @@ def test_an_unreadable_file_is_compiled_again(graphs_dir: Path, caplog: pytest.L
     forward = PrecompiledForward(Block(), "block", by_rows, keep_all)
     graphs_dir.mkdir(parents=True)
     forward.path("rows=2+").write_bytes(b"not a graph")
-    with caplog.at_level(logging.WARNING, logger="dflash2.precompiled"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.runner.precompiled"):
         got, expected = run(forward, 3)
     assert "could not load" in caplog.text and forward.last_source == "compiled"
     torch.testing.assert_close(got, expected)
@@ -116,7 +116,7 @@ def test_a_saved_graph_whose_guards_fail_is_compiled_again(caplog: pytest.LogCap
     one_class = PrecompiledForward(Block(), "block", lambda inputs: "all", keep_all)
     run(one_class, 1)
     again = PrecompiledForward(Block(), "block", lambda inputs: "all", keep_all)
-    with caplog.at_level(logging.WARNING, logger="dflash2.precompiled"):
+    with caplog.at_level(logging.WARNING, logger="dflash2.runner.precompiled"):
         got, expected = run(again, 3)
     assert "does not fit" in caplog.text and again.last_source == "compiled"
     torch.testing.assert_close(got, expected)

@@ -39,9 +39,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what is saved, or how it is keyed, changes
-_SOURCE_ROOT = Path(__file__).resolve().parent
-# The package sources a graph's code comes from (their text is part of the key).
-_SOURCES = ("runner/*.py", "precompiled.py", "selector.py", "models/*.py", "models/csrc/*.cpp")
+_SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the dflash2 package
+# The package sources a graph's code comes from (their text is part of the key): the runner (this module
+# included), the selector and tree code the drafter's graph calls, and the models.
+_SOURCES = ("runner/*.py", "spec/*.py", "models/*.py", "models/csrc/*.cpp")
 
 
 def graphs_dir() -> Path:

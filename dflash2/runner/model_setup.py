@@ -1,5 +1,9 @@
-"""Loading what an ``EngineConfig`` names: the target, its tokenizer and the drafter, in the resolved
-device and dtype (the engine, the offline commands and the benchmarks share it)."""
+"""Setting up the models an ``EngineConfig`` names: resolve the target's source, the dtype and the
+drafter, then load, quantize and (for tensor parallelism's rank 0) shard them on the resolved device.
+
+Reading a checkpoint folder is :mod:`dflash2.models.loader`'s; this module decides what to read and how
+to hold it for one engine (the engine, the compile worker, the worker ranks, the offline commands and the
+benchmarks share it)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dflash2.models.llama import TargetModel
 from dflash2.models.quantize import NOT_QUANTIZED, QuantizationReport, quantize_target
 from dflash2.models.tensor_parallel import ShardInfo, shard_target
 from dflash2.platform import cpu_has_native_bf16
+from dflash2.runner.tensor_parallel import threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
 def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedModels:
     """Resolve and load target, tokenizer and drafter as ``config`` says (and set torch's CPU threads).
 
-    With ``shard`` (rank 0 of a tensor-parallel group, :mod:`dflash2.parallel`) the target is loaded on
+    With ``shard`` (rank 0 of a tensor-parallel group, :mod:`dflash2.runner.tensor_parallel`) the target is loaded on
     the CPU, the drafter bound to its whole embedding and LM head (on the device), and the target cut
     to rank 0's share (:func:`dflash2.models.tensor_parallel.shard_target`) before it moves to the device.
 
@@ -69,12 +74,7 @@ def load_models(config: EngineConfig, shard: ShardInfo | None = None) -> LoadedM
     from dflash2.models import loader, source
     from dflash2.platform import configure_threads
 
-    if shard is None:
-        configure_threads(config.num_threads)
-    else:
-        from dflash2.parallel import threads_per_rank
-
-        configure_threads(threads_per_rank(config))
+    configure_threads(config.num_threads if shard is None else threads_per_rank(config))
     folder = source.resolve_model(config.model)
     device, dtype = config.torch_device, resolve_dtype(config)
     tokenizer = loader.load_tokenizer(folder)
@@ -133,7 +133,7 @@ def quantize_loaded_target(
 
 def default_drafter_path() -> Path | None:
     """The drafter shipped for the embedded default model, if this installation has one."""
-    path = Path(__file__).parent / "assets" / "smollm2-135m-dflash2"
+    path = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-dflash2"
     return path if (path / "config.json").is_file() else None
 
 
