@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.config import EngineSpec
-from dflash2.engine.context import pending_writes, write_context
+from dflash2.engine.drafter_context import pending_writes, write_context
 from dflash2.engine.policy import DraftSource, Plan
 from dflash2.engine.prefix_cache import common_prefix_length
 from dflash2.engine.request import Request

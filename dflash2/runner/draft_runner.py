@@ -22,9 +22,16 @@ import torch
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import batch_invariant_enabled
-from dflash2.runner.cache import PendingWrites, bucket_rows, context_writes, draft_inputs, flat_context, key_length
 from dflash2.runner.compile import compiled_mode, graph_input, mark_dynamic
-from dflash2.spec.selector import Proposal, drafter_path, lattice_scores, topk_candidates
+from dflash2.runner.graph_inputs import (
+    PendingWrites,
+    bucket_rows,
+    context_writes,
+    draft_inputs,
+    flat_context,
+    key_length,
+)
+from dflash2.spec.selector import Proposal, draft_path_of, lattice_scores, topk_candidates
 from dflash2.spec.tree import path_log_probs
 
 
@@ -138,7 +145,7 @@ class DraftRunner:
             return Drafted(proposal, self.phase_end() - start, None)
         hidden, logits = self.draft_block(slots, anchor_ids, starts, width, context)
         drafted = self.phase_end()
-        proposal = drafter_path(
+        proposal = draft_path_of(
             self.drafter, hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1], self.use_selector
         )
         return Drafted(proposal, drafted - start, self.phase_end() - drafted)
@@ -279,7 +286,7 @@ class DraftRunner:
                 self.cache.rollback(slot, start + n)
 
     def context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
-        """:func:`~dflash2.runner.cache.context_writes` as graph inputs, in the dtype the graphs were built for."""
+        """:func:`~dflash2.runner.graph_inputs.context_writes` as graph inputs, in the graphs' dtype."""
         layout = self.layout
         features, *writes = context_writes(slots, context, layout.dtype, layout.scratch_slot, min_width)
         return [graph_input(features), *(t.to(layout.device) for t in writes)]

@@ -17,7 +17,7 @@ import torch
 from dflash2.models.drafter import DFlashDrafter, SelectorWeights
 from dflash2.models.layers import batch_invariant_enabled
 
-__all__ = ["Proposal", "SelectorWeights", "draft_path", "drafter_path", "lattice_scores", "topk_candidates", "walk"]
+__all__ = ["Proposal", "SelectorWeights", "draft_path", "draft_path_of", "lattice_scores", "topk_candidates", "walk"]
 
 
 @dataclass
@@ -126,7 +126,7 @@ def draft_path(
     return walk(candidate_ids, unary, lattice, temperatures, uniforms)
 
 
-def drafter_path(
+def draft_path_of(
     drafter: DFlashDrafter,
     hidden: torch.Tensor,
     logits: torch.Tensor,
