@@ -181,7 +181,7 @@ TREE_NODES = (8, 16, 32, 64)
 def time_trees(config: Any, device: torch.device, eager: bool) -> dict[int, float]:
     """Milliseconds of one tree-masked verify forward (``ModelRunner.verify`` of a branching tree) at batch 1
     after 1024 tokens, for each node count in :data:`TREE_NODES` (a binary tree: node i's parent is (i − 1) // 2).
-    Compiled: CUDA graphs recorded per node bucket (``dflash2.runner.cache.node_buckets``) on CUDA, one
+    Compiled: CUDA graphs recorded per node bucket (``dflash2.runner.graph_inputs.node_buckets``) on CUDA, one
     dynamic inductor graph on CPU."""
     target = random_target(config, torch.bfloat16, device)
     drafter = random_drafter(target, 8)

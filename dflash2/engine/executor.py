@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.config import EngineSpec
-from dflash2.engine.context import pending_writes, write_context
+from dflash2.engine.drafter_context import pending_writes, write_context
 from dflash2.engine.plan import DraftSource, Plan, Verified
 from dflash2.engine.request import Request
 from dflash2.engine.slots import slot_of

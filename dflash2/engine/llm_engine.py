@@ -31,7 +31,7 @@ from dflash2.engine.postprocess import Postprocessor, error_output, output
 from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.engine.request import Request
 from dflash2.engine.scheduler import Scheduler
-from dflash2.engine.slots import SlotTable
+from dflash2.engine.slots import SlotAllocator
 from dflash2.errors import EngineClosedError
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
@@ -154,7 +154,7 @@ class Engine:
         self.policy = SpeculationPolicy(spec, self.runner, quick=self.compiler is not None)
         prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy
         self.prefix_cache = PrefixCache(spec.max_num_seqs, enabled=prefix)
-        self.slots = SlotTable(self.scheduler, self.runner, self.prefix_cache)
+        self.slots = SlotAllocator(self.scheduler, self.runner, self.prefix_cache)
         self.executor = StepExecutor(spec, self.runner, self.grammar, self.eos_token_ids)
         probing = lambda: self.threads is not None and self.threads.probing  # noqa: E731
         self.postprocess = Postprocessor(spec, self.runner, self.policy, self.eos_token_ids, probing)

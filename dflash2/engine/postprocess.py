@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from dflash2.config import EngineSpec
-from dflash2.engine.context import MAX_PENDING_CONTEXT, write_context
+from dflash2.engine.drafter_context import MAX_PENDING_CONTEXT, write_context
 from dflash2.engine.executor import Prefilled
 from dflash2.engine.plan import DraftSource, Verified
 from dflash2.engine.policy import SpeculationPolicy

@@ -3,7 +3,7 @@ cached part of its prompt copied in or kept) and what a finished request leaves 
 
 from __future__ import annotations
 
-from dflash2.engine.context import write_context
+from dflash2.engine.drafter_context import write_context
 from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.engine.request import Request
 from dflash2.engine.scheduler import Scheduler
@@ -11,8 +11,9 @@ from dflash2.outputs import FinishReason
 from dflash2.runner import ModelRunner
 
 
-class SlotTable:
-    """Slot choice and release over the scheduler's running requests.
+class SlotAllocator:
+    """The allocator of the KV caches' slots (one per running request): which free slot a request gets
+    at admission, and the release of a finished request's slot, over the scheduler's running requests.
 
     Args:
         scheduler: FIFO admission and the running set; runner: owns the caches;

@@ -152,7 +152,8 @@ class CpuKernel:
         return self.cpu_flags <= cpu_flags()
 
     def build_dir(self) -> pathlib.Path:
-        """``<dflash2 cache>/kernels/<name>-<hash of the source and the torch version>``."""
+        """``<dflash2 cache>/kernels/<name>-<hash>``, the hash over the sources, the shared headers they
+        include (``csrc/*.h``: a changed header builds every kernel again) and the torch version."""
         from dflash2.models.source import cache_dir
 
         headers = sorted(_CSRC.glob("*.h"))  # included by the sources

@@ -43,7 +43,7 @@ from dflash2.models.drafter import DFlashDrafter, inference_copy
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
-from dflash2.runner.cache import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
+from dflash2.runner.graph_inputs import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
 from dflash2.runner.precompiled import PrecompiledForward
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
@@ -523,7 +523,7 @@ def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any], result
     """Build every graph now (rows on the scratch slot only), not in the middle of a request:
     per row bucket, the drafter's block and the selector, the target and the context append at
     width 1 and at the block width (on CPU one graph covers every width from 2 up), and the token-tree
-    forward (on CUDA at every node bucket, :func:`~dflash2.runner.cache.node_buckets`)."""
+    forward (on CUDA at every node bucket, :func:`~dflash2.runner.graph_inputs.node_buckets`)."""
     cuda, block_size, device, drafting = runner.cuda, runner.block_size, runner.device, runner.drafting
     widths = dict.fromkeys((1, block_size)) if name in ("target", "context") else {block_size: None}
     if name == "tree":  # nodes per row, the root included: every bucket with CUDA graphs

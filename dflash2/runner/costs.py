@@ -122,12 +122,12 @@ def measure_tree_costs(
 
             calls[("draft", rows, width)] = draft
             calls[("verify", rows, width)] = functools.partial(
-                _verify_tree, runner, slots, starts, candidate_ids, log_probs, topk, count, width - 1
+                _verify_trees, runner, slots, starts, candidate_ids, log_probs, topk, count, width - 1
             )
     return _timed(calls, repeats, interrupt)
 
 
-def _verify_tree(
+def _verify_trees(
     runner: TimedRunner,
     slots: list[int],
     starts: list[int],

@@ -22,10 +22,17 @@ import torch
 from dflash2.models.base import Drafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import batch_invariant_enabled
-from dflash2.runner.cache import PendingWrites, bucket_rows, context_writes, draft_inputs, flat_context, key_length
 from dflash2.runner.compile import compiled_mode, graph_input, mark_dynamic
+from dflash2.runner.graph_inputs import (
+    PendingWrites,
+    bucket_rows,
+    context_writes,
+    draft_inputs,
+    flat_context,
+    key_length,
+)
 from dflash2.runner.settings import RunnerSpec
-from dflash2.spec.selector import Proposal, drafter_path, lattice_scores, topk_candidates
+from dflash2.spec.selector import Proposal, draft_path_of, lattice_scores, topk_candidates
 from dflash2.spec.tree import path_log_probs
 
 
@@ -134,7 +141,7 @@ class DraftRunner:
             return Drafted(proposal, self.phase_end() - start, 0.0, select_in_draft=True)
         hidden, logits = self.draft_block(slots, anchor_ids, starts, width, context)
         drafted = self.phase_end()
-        proposal = drafter_path(
+        proposal = draft_path_of(
             self.drafter, hidden, logits, anchor_ids, temperatures, uniforms[:, : width - 1], self.spec.use_selector
         )
         return Drafted(proposal, drafted - start, self.phase_end() - drafted)
@@ -265,7 +272,7 @@ class DraftRunner:
             self.drafter.append_context(self.cache, *flat)
 
     def context_inputs(self, slots: list[int], context: PendingWrites, min_width: int = 1) -> list[torch.Tensor]:
-        """:func:`~dflash2.runner.cache.context_writes` as graph inputs, in the dtype the graphs were built for."""
+        """:func:`~dflash2.runner.graph_inputs.context_writes` as graph inputs, in the graphs' dtype."""
         features, *writes = context_writes(slots, context, self.dtype, self.spec.scratch_slot, min_width)
         return [graph_input(features), *(t.to(self.device) for t in writes)]
 

@@ -9,7 +9,7 @@ run compiled (``dflash2/runner/compile.py``) unless ``EngineConfig.enforce_eager
 * **CPU**: ``torch.compile`` with inductor, the weights as graph inputs. Positions, slots and the
   key range are tensors, so one graph serves every batch size ≥ 2, another batch size 1, and
   every KV length (dynamic shapes); the attention reads only ``[0, T)`` of each slot, T rounded
-  up (``dflash2/runner/cache.py``).
+  up (``dflash2/runner/graph_inputs.py``).
 * **CUDA**: the same modules compiled with ``mode="reduce-overhead"`` (CUDA graphs), with rows and
   key lengths padded to buckets so the number of recorded graphs stays bounded.
 * Anything else (the transformers fallback target, a drafter that overrides its forward, a
@@ -37,7 +37,10 @@ from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.runner import compile as graphs
-from dflash2.runner.cache import (
+from dflash2.runner.compile import compiled_mode, mark_dynamic
+from dflash2.runner.costs import measure_costs
+from dflash2.runner.draft_runner import DraftRunner
+from dflash2.runner.graph_inputs import (
     bucket_nodes,
     bucket_rows,
     key_length,
@@ -46,9 +49,6 @@ from dflash2.runner.cache import (
     target_inputs,
     tree_inputs,
 )
-from dflash2.runner.compile import compiled_mode, mark_dynamic
-from dflash2.runner.costs import measure_costs
-from dflash2.runner.draft_runner import DraftRunner
 from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.tree import TokenTree
 

@@ -18,7 +18,7 @@ from dflash2.models.base import Drafter
 from dflash2.models.drafter import SelectorWeights
 from dflash2.models.layers import batch_invariant_enabled
 
-__all__ = ["Proposal", "SelectorWeights", "draft_path", "drafter_path", "lattice_scores", "topk_candidates", "walk"]
+__all__ = ["Proposal", "SelectorWeights", "draft_path", "draft_path_of", "lattice_scores", "topk_candidates", "walk"]
 
 
 @dataclass
@@ -127,7 +127,7 @@ def draft_path(
     return walk(candidate_ids, unary, lattice, temperatures, uniforms)
 
 
-def drafter_path(
+def draft_path_of(
     drafter: Drafter,
     hidden: torch.Tensor,
     logits: torch.Tensor,

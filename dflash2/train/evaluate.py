@@ -31,7 +31,7 @@ from dflash2.models.base import Target
 from dflash2.models.drafter import DFlashDrafter
 from dflash2.outputs import StepResult, mean_acceptance_length
 from dflash2.sampling import SamplingParams
-from dflash2.spec.selector import drafter_path
+from dflash2.spec.selector import draft_path_of
 from dflash2.train.blocks import Blocks, make_blocks, sample_anchors
 from dflash2.train.data import TokenDataset
 
@@ -246,7 +246,7 @@ def _greedy_blocks(
     hidden = drafter.forward_blocks(features, blocks.block_ids, blocks.anchors)[:, 1:]
     logits = drafter.logits(hidden)
     n, num_slots = blocks.labels.shape[0], blocks.labels.shape[1] - 1
-    path = drafter_path(
+    path = draft_path_of(
         drafter, hidden, logits, blocks.block_ids[:, 0], torch.zeros(n), torch.zeros(n, num_slots), use_selector
     )
     correct = (path.draft_ids == blocks.labels[:, 1:]) & (blocks.weights[:, 1:] > 0)

@@ -50,13 +50,13 @@ def test_start_up_drafting_cost_includes_the_selector(monkeypatch):
     measures both (a selector made 20 ms slower shows in every row count's entry)."""
     import dflash2.runner.draft_runner as draft_runner
 
-    propose = draft_runner.drafter_path
+    propose = draft_runner.draft_path_of
 
     def slow_propose(*args, **kwargs):
         time.sleep(0.020)
         return propose(*args, **kwargs)
 
-    monkeypatch.setattr(draft_runner, "drafter_path", slow_propose)
+    monkeypatch.setattr(draft_runner, "draft_path_of", slow_propose)
     adaptive, _, _ = engines()
     model = adaptive.cost_model
     assert all(model.draft[(rows, w)] >= 0.020 for rows in range(1, 5) for w in model.widths if w > 1)

@@ -17,7 +17,7 @@ from dflash2 import LLM, SamplingParams
 from dflash2.runner import ModelRunner, PendingWrites, key_length
 from dflash2.runner.precompiled import PrecompiledForward
 from dflash2.spec.adaptive import WidthChoice
-from dflash2.spec.selector import drafter_path
+from dflash2.spec.selector import draft_path_of
 from dflash2.spec.tree import TokenTree
 from tests.integration.test_engine_sampling import PROMPT, SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_joint
 from tests.tiny import oracle_drafter, tiny_drafter, tiny_engine, tiny_target
@@ -303,7 +303,7 @@ def test_compiled_selector_matches_eager(compiled_spec, temperature):
         temperatures = torch.full((rows,), temperature)
         uniforms = torch.rand(rows, runner.block_size - 1, generator=generator)
         hidden, logits = runner.drafting.draft_block(slots, anchors, starts, width)
-        expected = drafter_path(
+        expected = draft_path_of(
             drafter, hidden, logits, anchors, temperatures, uniforms[:, : width - 1], use_selector=True
         )
         got = runner.drafting.propose(slots, anchors, starts, temperatures, uniforms, width, None).proposal

@@ -13,11 +13,11 @@ from dflash2.config import EngineConfig, EngineSpec
 from dflash2.models.batch import ForwardBatch
 from dflash2.models.kv_cache import KVCache
 from dflash2.runner import ModelRunner, RunnerSpec
-from dflash2.runner.cache import bucket_nodes, node_buckets
 from dflash2.runner.compile import CompiledTarget, cuda_graph_count
+from dflash2.runner.graph_inputs import bucket_nodes, node_buckets
 from dflash2.spec import verify
 from dflash2.spec.adaptive import CostModel
-from dflash2.spec.selector import drafter_path, lattice_scores, topk_candidates
+from dflash2.spec.selector import draft_path_of, lattice_scores, topk_candidates
 from dflash2.spec.tree import TokenTree, build_trees, path_log_probs
 from tests.integration.test_engine_greedy import GREEDY, PROMPTS
 from tests.integration.test_engine_sampling import SAMPLING_CASES, VOCAB, _chi_square_pvalue, _exact_after_first
@@ -189,7 +189,7 @@ def test_topk_one_tree_is_the_greedy_walk():
     hidden = torch.randn(3, 7, drafter.config.hidden_size)
     anchors = torch.tensor([4, 9, 11])
     logits = drafter.logits(hidden)
-    walk = drafter_path(drafter, hidden, logits, anchors, torch.zeros(3), torch.zeros(3, 7), True)
+    walk = draft_path_of(drafter, hidden, logits, anchors, torch.zeros(3), torch.zeros(3, 7), True)
     candidate_ids, unary = topk_candidates(logits, drafter.num_candidates)
     lattice = lattice_scores(hidden, anchors, candidate_ids, unary, drafter.selector_weights())
     trees = build_trees(candidate_ids, path_log_probs(unary, lattice), anchors.tolist(), 1, [7] * 3, [7] * 3)

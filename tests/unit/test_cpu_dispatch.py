@@ -94,3 +94,18 @@ def test_each_kernel_names_the_flags_its_instructions_need():
     assert {"amx_tile", "amx_bf16"} <= cpu_kernels.AMX.cpu_flags
     assert cpu_kernels.AVX512_BF16.cpu_flags <= cpu_kernels.AMX.cpu_flags
     assert set(cpu_kernels.KERNELS) == {"avx2", "avx512bf16", "amx"}
+
+
+def test_a_changed_shared_header_moves_every_kernel_to_a_new_build_folder(monkeypatch, tmp_path):
+    """The kernels include csrc/kernel_common.h: editing it must rebuild them all, not reuse old builds."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for path in cpu_kernels._CSRC.iterdir():
+        (csrc / path.name).write_bytes(path.read_bytes())
+    kernels = [cpu_kernels.AVX2, cpu_kernels.AVX512_BF16, cpu_kernels.AMX, cpu_kernels.QUANT]
+    monkeypatch.setattr(cpu_kernels, "_CSRC", csrc)
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    before = [kernel.build_dir() for kernel in kernels]
+    (csrc / "kernel_common.h").write_text((csrc / "kernel_common.h").read_text() + "\n// edited\n")
+    after = [kernel.build_dir() for kernel in kernels]
+    assert all(old != new and old.name.split("-")[0] == new.name.split("-")[0] for old, new in zip(before, after))

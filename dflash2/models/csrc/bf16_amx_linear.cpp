@@ -15,14 +15,11 @@
 // on how many there are. Threads split the blocks of output features; each configures its own tiles.
 //
 // Needs K (in_features) a multiple of 32; cpu_kernels.py sends other layers to bf16_dot_linear.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Optional.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
-#include <torch/library.h>
 #include <unistd.h>
+
+#include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +28,8 @@
 #include <vector>
 
 namespace {
+
+using namespace dflash2_kernels;
 
 constexpr int64_t kBlock = 32;       // output features per packed block
 constexpr int64_t kPairValues = 64;  // bfloat16 values per input pair in a block
@@ -135,58 +134,23 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t N = out_features, K = in_features;
   TORCH_CHECK(K > 0 && K % kChunk == 0 && K / 2 == packed.size(1) / kPairValues,
               "bf16_amx_linear: in_features must be a multiple of 32 that matches packed");
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_amx_linear: out_features does not match packed");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_amx_linear: x's last dimension must be ", K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bf16_amx_linear: x must be bfloat16 or float32");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_amx_linear: CPU tensors only");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
-                                                   bias->scalar_type() == at::kFloat)),
-              "bf16_amx_linear: bias must hold out_features bfloat16 or float32 values");
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = N;
-  const int64_t M = x.numel() / K;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0) return y;
+  check_blocks("bf16_amx_linear", N, kBlock, packed.size(0));
+  const LinearCall call = start_linear("bf16_amx_linear", x, packed, bias, K, N);
+  const int64_t M = call.rows;
+  if (M == 0) return call.y;
 
   // x as bfloat16: used in place when it is bfloat16 and contiguous, else a copy rounded to nearest even.
   const at::Tensor xc = x.contiguous();
   std::vector<uint16_t> copy;
-  const uint16_t* xp;
-  if (xc.scalar_type() == at::kBFloat16) {
-    xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  } else {
-    copy.resize(static_cast<size_t>(M * K));
-    const float* xf = xc.data_ptr<float>();
-    for (int64_t i = 0; i < M * K; ++i) copy[i] = at::BFloat16(xf[i]).x;
-    xp = copy.data();
-  }
-  std::vector<float> bf;
-  if (has_bias) {
-    const at::Tensor b = bias->contiguous();
-    bf.resize(static_cast<size_t>(N));
-    for (int64_t n = 0; n < N; ++n)
-      bf[n] = b.scalar_type() == at::kFloat ? b.data_ptr<float>()[n] : static_cast<float>(b.data_ptr<at::BFloat16>()[n]);
-  }
+  const uint16_t* xp = bf16_rows(xc, M, K, K, copy);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = has_bias ? bf.data() : nullptr;
-  const int64_t num_blocks = packed.size(0);
-  auto run = [&](auto* yp) {
-    at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) { run_blocks(xp, wp, bp, M, N, K, yp, b0, b1); });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-  }
-  return y;
+  const float* bp = call.bias_data();
+  with_output<uint16_t>(call.y, [&](auto* yp) {
+    parallel_blocks(packed.size(0), [&](int64_t b0, int64_t b1) { run_blocks(xp, wp, bp, M, N, K, yp, b0, b1); });
+  });
+  return call.y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dflash2, m) {
-  m.def("bf16_amx_linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("bf16_amx_linear", &bf16_amx_linear); }
+DFLASH2_CPU_OP(bf16_amx_linear, "(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features) -> Tensor")

@@ -14,20 +14,18 @@
 // then in L2. Every output is one float32 sum over p = 0, 1, … in that order (each step adds the
 // products of inputs 2p and 2p + 1), whatever the number of rows or the row's place among them, so a
 // row's result does not depend on the batch. Threads split the blocks of output features.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
+
+#include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+using namespace dflash2_kernels;
 
 constexpr int64_t kBlock = 32;       // output features per packed block (two vectors of 16)
 constexpr int64_t kPairValues = 64;  // bfloat16 values per input pair in a block (32 outputs × 2 inputs)
@@ -108,68 +106,24 @@ at::Tensor bf16_dot_linear(const at::Tensor& x, const at::Tensor& packed, const 
               "bf16_dot_linear: packed must be a contiguous bfloat16 [N/32, 64·⌈K/2⌉] tensor");
   const int64_t N = out_features, K = in_features, pairs = packed.size(1) / kPairValues;
   TORCH_CHECK(K > 0 && (K + 1) / 2 == pairs, "bf16_dot_linear: in_features does not match packed");
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_dot_linear: out_features does not match packed");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_dot_linear: x's last dimension must be ", K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bf16_dot_linear: x must be bfloat16 or float32");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_dot_linear: CPU tensors only");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
-                                                   bias->scalar_type() == at::kFloat)),
-              "bf16_dot_linear: bias must hold out_features bfloat16 or float32 values");
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = N;
-  const int64_t M = x.numel() / K;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0) return y;
+  check_blocks("bf16_dot_linear", N, kBlock, packed.size(0));
+  const LinearCall call = start_linear("bf16_dot_linear", x, packed, bias, K, N);
+  const int64_t M = call.rows;
+  if (M == 0) return call.y;
 
   // x as bfloat16 pairs: used in place when it is bfloat16, contiguous and K is even; otherwise a
   // copy (float32 rounded to bfloat16, an odd K padded with a zero).
   const at::Tensor xc = x.contiguous();
-  std::vector<uint32_t> copy;
-  const uint32_t* xp;
-  if (xc.scalar_type() == at::kBFloat16 && K % 2 == 0) {
-    xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  } else {
-    copy.assign(static_cast<size_t>(M * pairs), 0u);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(copy.data());
-    const bool from_float = xc.scalar_type() == at::kFloat;
-    const float* xf = from_float ? xc.data_ptr<float>() : nullptr;
-    const at::BFloat16* xb = from_float ? nullptr : xc.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) {
-        dst[m * 2 * pairs + k] = from_float ? at::BFloat16(xf[m * K + k]).x : xb[m * K + k].x;  // nearest even
-      }
-    }
-    xp = copy.data();
-  }
-  std::vector<float> bf;
-  if (has_bias) {
-    const at::Tensor b = bias->contiguous();
-    bf.resize(static_cast<size_t>(N));
-    for (int64_t n = 0; n < N; ++n)
-      bf[n] = b.scalar_type() == at::kFloat ? b.data_ptr<float>()[n] : static_cast<float>(b.data_ptr<at::BFloat16>()[n]);
-  }
+  std::vector<uint16_t> copy;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(xc, M, K, 2 * pairs, copy));
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = has_bias ? bf.data() : nullptr;
-  const int64_t num_blocks = packed.size(0);
-  auto run = [&](auto* yp) {
-    at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
-      run_blocks(xp, wp, bp, M, N, pairs, yp, b0, b1);
-    });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-  }
-  return y;
+  const float* bp = call.bias_data();
+  with_output<uint16_t>(call.y, [&](auto* yp) {
+    parallel_blocks(packed.size(0), [&](int64_t b0, int64_t b1) { run_blocks(xp, wp, bp, M, N, pairs, yp, b0, b1); });
+  });
+  return call.y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dflash2, m) {
-  m.def("bf16_dot_linear(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("bf16_dot_linear", &bf16_dot_linear); }
+DFLASH2_CPU_OP(bf16_dot_linear, "(Tensor x, Tensor packed, Tensor? bias, int in_features, int out_features) -> Tensor")

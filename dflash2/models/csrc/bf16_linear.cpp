@@ -15,23 +15,17 @@
 // on Zen 2). Every output is one float32 sum in the order k = 0, 1, … K − 1, whatever the number of
 // rows or the row's place among them, so a row's result does not depend on the batch. Threads split
 // the blocks of output features.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-using dflash2_kernels::to_float;
+using namespace dflash2_kernels;
 
 constexpr int64_t kBlock = 24;       // output features per packed block (16 as pairs, 8 single)
 constexpr int64_t kRowTile = 4;      // rows per register tile
@@ -113,44 +107,23 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
                   packed.scalar_type() == at::kBFloat16,
               "bf16_linear: packed must be a contiguous bfloat16 [N/24, 24·K] tensor");
   const int64_t N = out_features, K = packed.size(1) / kBlock;
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == packed.size(0), "bf16_linear: out_features does not match packed");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x's last dimension must be ", K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bf16_linear: x must be bfloat16 or float32");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_linear: CPU tensors only");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
-                                                   bias->scalar_type() == at::kFloat)),
-              "bf16_linear: bias must hold out_features bfloat16 or float32 values");
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = N;
-  const int64_t M = x.numel() / K;
+  check_blocks("bf16_linear", N, kBlock, packed.size(0));
+  const LinearCall call = start_linear("bf16_linear", x, packed, bias, K, N);
+  const int64_t M = call.rows;
   const std::vector<float> xf = to_float(x);
-  const std::vector<float> bf = has_bias ? to_float(*bias) : std::vector<float>();
-  at::Tensor y = at::empty(out_sizes, x.options());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = has_bias ? bf.data() : nullptr;
-  const int64_t num_blocks = packed.size(0);
-  auto run = [&](auto* yp) {
+  const float* bp = call.bias_data();
+  with_output(call.y, [&](auto* yp) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t rows = std::min(kRowChunk, M - m0);
-      at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+      parallel_blocks(packed.size(0), [&](int64_t b0, int64_t b1) {
         run_blocks(xf.data() + m0 * K, wp, bp, rows, N, K, yp + m0 * N, b0, b1);
       });
     }
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
-  }
-  return y;
+  });
+  return call.y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dflash2, m) {
-  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+DFLASH2_CPU_OP(bf16_linear, "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")

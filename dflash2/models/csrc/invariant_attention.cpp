@@ -14,11 +14,9 @@
 //           rounded once to bfloat16 (nearest even).
 // Library GEMMs were not row-invariant here: on CPUs with AMX, oneDNN's bfloat16 product gave one
 // query other bits in a call of 3 rows than in one of 6.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/library.h>
+
+#include "kernel_common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -130,8 +128,4 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dflash2, m) {
-  m.def("invariant_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("invariant_attention", &invariant_attention); }
+DFLASH2_CPU_OP(invariant_attention, "(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")

@@ -28,24 +28,18 @@
 // Each row has its own accumulators (even and odd input steps of a group, and the running total)
 // that take the groups in order g = 0, 1, …, so a row's result does not depend on the other rows,
 // their number or its place among them. Threads split the blocks of output features.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Optional.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-using dflash2_kernels::to_float;
+using namespace dflash2_kernels;
 
 constexpr int64_t kBlock = 8;        // output features per packed block (one float32 vector)
 constexpr int64_t kMaxRowTile = 5;   // rows per register tile (3 accumulators each; the totals may spill)
@@ -190,8 +184,8 @@ void run_blocks(const float* x, const float* sx, const uint8_t* qweight, const S
 }
 
 template <int Bits, int G, typename S>
-void dispatch_out(const at::Tensor& x, const std::vector<float>& xf, const uint8_t* qw, const S* sp, const S* op,
-                  const float* bp, int64_t M, int64_t N, int64_t K, at::Tensor& y) {
+void dispatch_out(const std::vector<float>& xf, const uint8_t* qw, const S* sp, const S* op, const float* bp,
+                  int64_t M, int64_t N, int64_t K, at::Tensor& y) {
   const int64_t num_blocks = (N + kBlock - 1) / kBlock, groups = K / G;
   std::vector<float> sx(static_cast<size_t>(M * groups));
   for (int64_t r = 0; r < M; ++r) {
@@ -212,8 +206,8 @@ void dispatch_out(const at::Tensor& x, const std::vector<float>& xf, const uint8
     for (int64_t k = 0; k < K; ++k) _mm256_store_ps(aligned + k * 8, _mm256_set1_ps(xf[k]));
     xw = aligned;
   }
-  auto run = [&](auto* yp) {
-    at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  with_output(y, [&](auto* yp) {
+    parallel_blocks(num_blocks, [&](int64_t b0, int64_t b1) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t rows = std::min(kRowChunk, M - m0);
         if (xw) {
@@ -224,20 +218,15 @@ void dispatch_out(const at::Tensor& x, const std::vector<float>& xf, const uint8
         }
       }
     });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<at::BFloat16>());
-  }
+  });
 }
 
 template <typename S>
-void dispatch_format(int64_t bits, int64_t G, const at::Tensor& x, const std::vector<float>& xf, const uint8_t* qw,
-                     const S* sp, const S* op, const float* bp, int64_t M, int64_t N, int64_t K, at::Tensor& y) {
-  if (bits == 4 && G == 32) return dispatch_out<4, 32, S>(x, xf, qw, sp, op, bp, M, N, K, y);
-  if (bits == 8 && G == 32) return dispatch_out<8, 32, S>(x, xf, qw, sp, op, bp, M, N, K, y);
-  if (bits == 8 && G == 16) return dispatch_out<8, 16, S>(x, xf, qw, sp, op, bp, M, N, K, y);
+void dispatch_format(int64_t bits, int64_t G, const std::vector<float>& xf, const uint8_t* qw, const S* sp, const S* op,
+                     const float* bp, int64_t M, int64_t N, int64_t K, at::Tensor& y) {
+  if (bits == 4 && G == 32) return dispatch_out<4, 32, S>(xf, qw, sp, op, bp, M, N, K, y);
+  if (bits == 8 && G == 32) return dispatch_out<8, 32, S>(xf, qw, sp, op, bp, M, N, K, y);
+  if (bits == 8 && G == 16) return dispatch_out<8, 16, S>(xf, qw, sp, op, bp, M, N, K, y);
   TORCH_CHECK(false, "quant_linear: no kernel for ", bits, "-bit codes in groups of ", G);
 }
 
@@ -249,7 +238,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                   qweight.size(3) == 32 && qweight.size(2) * 32 == group_size * bits,
               "quant_linear: qweight must be a contiguous uint8 [N/8, K/G, G·bits/32, 32] tensor");
   const int64_t N = out_features, K = qweight.size(1) * group_size;
-  TORCH_CHECK(N > 0 && (N + kBlock - 1) / kBlock == qweight.size(0), "quant_linear: out_features does not match");
+  check_blocks("quant_linear", N, kBlock, qweight.size(0));
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == qweight.size(0) &&
                   scales.size(1) == qweight.size(1) && scales.size(2) == kBlock &&
                   (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
@@ -258,40 +247,25 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(!has_offsets || (offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
                                offsets->scalar_type() == scales.scalar_type()),
               "quant_linear: offsets must match scales in shape and dtype");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "quant_linear: x's last dimension must be ", K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "quant_linear: x must be bfloat16 or float32");
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == N && (bias->scalar_type() == at::kBFloat16 ||
-                                                   bias->scalar_type() == at::kFloat)),
-              "quant_linear: bias must hold out_features bfloat16 or float32 values");
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = N;
-  const int64_t M = x.numel() / K;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0) return y;
+  LinearCall call = start_linear("quant_linear", x, qweight, bias, K, N);
+  const int64_t M = call.rows;
+  if (M == 0) return call.y;
   const std::vector<float> xf = to_float(x);
-  const std::vector<float> bf = has_bias ? to_float(*bias) : std::vector<float>();
-  const float* bp = has_bias ? bf.data() : nullptr;
+  const float* bp = call.bias_data();
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   if (scales.scalar_type() == at::kFloat) {
-    dispatch_format<float>(bits, group_size, x, xf, qw, scales.data_ptr<float>(),
-                           has_offsets ? offsets->data_ptr<float>() : nullptr, bp, M, N, K, y);
+    dispatch_format<float>(bits, group_size, xf, qw, scales.data_ptr<float>(),
+                           has_offsets ? offsets->data_ptr<float>() : nullptr, bp, M, N, K, call.y);
   } else {
     const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
     const auto* op = has_offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
-    dispatch_format<uint16_t>(bits, group_size, x, xf, qw, sp, op, bp, M, N, K, y);
+    dispatch_format<uint16_t>(bits, group_size, xf, qw, sp, op, bp, M, N, K, call.y);
   }
-  return y;
+  return call.y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dflash2, m) {
-  m.def(
-      "quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? bias, int bits, int group_size, "
-      "int out_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(dflash2, CPU, m) { m.impl("quant_linear", &quant_linear); }
+DFLASH2_CPU_OP(quant_linear,
+               "(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, Tensor? bias, int bits, int group_size, "
+               "int out_features) -> Tensor")

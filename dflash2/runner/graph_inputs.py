@@ -1,4 +1,5 @@
-"""Slots, padding and key lengths of the runner's static-shape forwards over per-slot caches.
+"""The inputs of the runner's static-shape (graph) forwards over per-slot caches: slots, padding, key
+lengths and the CUDA graphs' row and node buckets.
 
 A padded forward writes its padding tokens' K/V into a spare *scratch slot* (one more than
 ``max_num_seqs``), so it never touches a live slot, and attends over keys ``[0, T)`` with T
