@@ -16,8 +16,7 @@ import torch
 from dflash2.config import EngineSpec
 from dflash2.engine.drafter_context import pending_writes, write_context
 from dflash2.engine.plan import DraftSource, Plan, Verified
-from dflash2.engine.request import Request
-from dflash2.engine.slots import slot_of
+from dflash2.engine.request import Request, slot_of
 from dflash2.grammar import GrammarBackend, walk_drafts
 from dflash2.runner import Drafted, ModelRunner
 from dflash2.sampling import LogitsContext, sample_from_probs, target_probs

@@ -2,11 +2,12 @@
 
 One ``Engine.step`` reads like the algorithm (docs/engine.md; docs/dflash2-spec.md §9):
 
-    schedule     admit waiting requests into KV slots (prefix cache)       engine/slots.py
+    schedule     admit waiting requests into KV slots (prefix cache)       engine/scheduler.py
     prefill      their prompts, and each one's first token                 engine/executor.py
     plan         where this step's drafts come from and how many           engine/policy.py
-    run          propose (drafter + selector, or prompt lookup), verify    engine/executor.py
-    postprocess  commit accepted tokens, roll back the caches, outputs     engine/postprocess.py
+    run          each row's proposal as a token tree, ONE verify, accept   engine/executor.py
+    postprocess  commit accepted tokens, learn, outputs                    engine/postprocess.py
+    release      finished requests free their slots                        engine/scheduler.py
 
 A request that fails ends alone (:meth:`Engine._isolated`); the others get exactly their tokens.
 """
@@ -31,7 +32,6 @@ from dflash2.engine.postprocess import Postprocessor, error_output, output
 from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.engine.request import Request
 from dflash2.engine.scheduler import Scheduler
-from dflash2.engine.slots import SlotAllocator
 from dflash2.errors import EngineClosedError
 from dflash2.grammar import GrammarBackend
 from dflash2.models.base import Target
@@ -60,7 +60,6 @@ _RELEASED = (
     "scheduler",
     "policy",
     "prefix_cache",
-    "slots",
     "executor",
     "postprocess",
     "threads",
@@ -150,11 +149,10 @@ class Engine:
             if self._cpu_load is not None:  # it runs only on otherwise idle cores: not a neighbour to yield to
                 self._cpu_load.exclude(self.compiler.pid)
         self._costs_stale = False  # the cost table was timed on forwards that are no longer in use
-        self.scheduler = Scheduler(spec.max_num_seqs)
         self.policy = SpeculationPolicy(spec, self.runner, quick=self.compiler is not None)
         prefix = config.enable_prefix_caching and self.runner.supports_prefix_copy
         self.prefix_cache = PrefixCache(spec.max_num_seqs, enabled=prefix)
-        self.slots = SlotAllocator(self.scheduler, self.runner, self.prefix_cache)
+        self.scheduler = Scheduler(spec.max_num_seqs, self.runner, self.prefix_cache)
         self.executor = StepExecutor(spec, self.runner, self.grammar, self.eos_token_ids)
         probing = lambda: self.threads is not None and self.threads.probing  # noqa: E731
         self.postprocess = Postprocessor(spec, self.runner, self.policy, self.eos_token_ids, probing)
@@ -438,17 +436,17 @@ class Engine:
     def _step(self, stats: StepStats) -> StepResult:
         start = time.perf_counter()
         outputs = self._drain_inbox()
-        admitted = self.slots.admit()
+        admitted = self.scheduler.admit()
         if admitted:
             outputs += self._isolated(admitted, self.executor.prefill, self.postprocess.prefill, stats)
-        rows = self.slots.decode_rows()
+        rows = self.scheduler.decode_rows()
         if rows:
             decode = lambda rows: self.executor.decode(rows, self.policy.plan(rows))  # noqa: E731
             outputs += self._isolated(rows, decode, self.postprocess.decode, stats)
         for request in self.scheduler.running:  # a finished output joins the earlier-output index
             if request.is_finished and request.finish_reason is not FinishReason.ABORT:
                 self.policy.finish(request)
-        self.slots.release_finished()
+        self.scheduler.release_finished()
         stats.total_time = time.perf_counter() - start
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_usage
@@ -473,7 +471,7 @@ class Engine:
                     self.scheduler.add(item)
             elif (request := self.scheduler.find(item)) is not None:
                 request.finish_reason = FinishReason.ABORT
-                self.slots.release(request)
+                self.scheduler.release(request)
                 outputs.append(output(request, [], "", None))
         return outputs
 

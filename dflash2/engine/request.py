@@ -112,3 +112,15 @@ class Request:
     def mean_acceptance_length(self) -> float:
         """Tokens committed per verify step (accepted drafts + bonus), 0 before the first step."""
         return mean_acceptance_length(self.num_accepted_tokens, self.num_verify_steps)
+
+
+def committed_tokens(request: Request) -> list[int]:
+    """The tokens whose target KV and drafter context a request's slot holds: prompt + output, up to
+    ``num_cached`` (the anchor, the last output token, is not in the cache yet)."""
+    return [*request.prompt_ids, *request.output_ids][: request.num_cached]
+
+
+def slot_of(request: Request) -> int:
+    """The slot of a running request."""
+    assert request.slot is not None
+    return request.slot
