@@ -28,28 +28,83 @@ H hidden, V vocab, F·H captured features, k candidates.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from dflash2.models.base import Drafter
 from dflash2.models.drafter import DFlashDrafter, inference_copy
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import PROJECT_KERNELS, can_prepack, linear_backend, prepack_linears
 from dflash2.models.llama import TargetModel
+from dflash2.runner.draft_runner import DraftRunner
 from dflash2.runner.graph_inputs import CUDA_MIN_KEYS, CUDA_ROW_BUCKETS, PendingWrites, bucket_rows, node_buckets
 from dflash2.runner.precompiled import PrecompiledForward
+from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.selector import SelectorWeights, draft_path
 from dflash2.spec.tree import TokenTree
 
-if TYPE_CHECKING:
-    from dflash2.runner.model_runner import ModelRunner
+
+class GraphRunner(Protocol):
+    """What building and warming up the graphs reads of the runner they are built for
+    (:class:`~dflash2.runner.ModelRunner` is one; naming this instead keeps the runner's module, which
+    calls this one, out of its imports)."""
+
+    spec: RunnerSpec
+    target: Any
+    target_cache: Any
+    drafter: Drafter | None
+    drafting: DraftRunner | None
+    capture_layer_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def cuda(self) -> bool: ...
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def scratch_slot(self) -> int: ...
+
+    @property
+    def tree_nodes(self) -> int: ...
+
+    @property
+    def max_tree_nodes(self) -> int: ...
+
+    @property
+    def draft_cache(self) -> KVCache | None: ...
+
+    def chain_call(
+        self,
+        slots: list[int],
+        chains: Sequence[TokenTree],
+        starts: list[int],
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def tree_call(
+        self,
+        slots: list[int],
+        trees: Sequence[TokenTree],
+        starts: list[int],
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -134,45 +189,6 @@ def without_global_state_guard(guards: Sequence[Any]) -> list[bool]:
     (``cpp.dynamic_threads``). The rest of that state is fixed for these graphs: the runner is their only
     caller, always in inference mode, without autocast, at the dtype the weights were loaded in."""
     return [entry.guard_type != "GLOBAL_STATE" for entry in guards]
-
-
-def graph_input(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a compiled graph may take it on every call: contiguous, not an inference tensor (the
-    engine's may be) — copied only then — and not a view (a view's guards read its base; ``detach``
-    drops the base without a copy)."""
-    if t.is_inference():
-        return t.clone(memory_format=torch.contiguous_format)
-    t = t.contiguous()
-    return t.detach() if t._base is not None else t
-
-
-@contextlib.contextmanager
-def compiled_mode() -> Iterator[None]:
-    """Compiled forwards run under ``no_grad`` outside inference mode: a graph traced once must see
-    the same tensor flags on every call, and the weights, graph inputs, need no autograd."""
-    with torch.inference_mode(False), torch.no_grad():
-        yield
-
-
-def mark_dynamic(
-    row_inputs: Sequence[torch.Tensor],
-    keys: torch.Tensor | None = None,
-    width_inputs: Sequence[torch.Tensor] = (),
-    static: bool = False,
-) -> None:
-    """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
-    for the target, the context append and the drafter's block, one for every width ≥ 2 (width 1,
-    a plain decode step, has its own). Nothing when ``static`` (CUDA graphs have static shapes)."""
-    if static:
-        return
-    if keys is not None:
-        torch._dynamo.maybe_mark_dynamic(keys, 0)
-    if row_inputs[0].shape[0] >= 2:
-        for t in row_inputs:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    for t in width_inputs:
-        if t.dim() >= 2 and t.shape[1] >= 2:
-            torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
 # ---- the modules the graphs are built from -------------------------------------------------------
@@ -373,7 +389,7 @@ class CompiledProposer(nn.Module):
 # ---- building and warming up the graphs ----------------------------------------------------------
 
 
-def build_modules(runner: ModelRunner) -> list[tuple[str, nn.Module]]:
+def build_modules(runner: GraphRunner) -> list[tuple[str, nn.Module]]:
     """The modules to compile for ``runner`` (built before its eager modules are pre-packed)."""
     modules: list[tuple[str, nn.Module]] = []
     if isinstance(runner.target, TargetModel):
@@ -426,7 +442,7 @@ class CompiledForwards:
 
 
 def compile_modules(
-    runner: ModelRunner, modules: list[tuple[str, nn.Module]], load_only: bool = False
+    runner: GraphRunner, modules: list[tuple[str, nn.Module]], load_only: bool = False
 ) -> CompiledForwards:
     """Compile and warm up each module; on failure keep that forward eager with a warning.
 
@@ -496,7 +512,7 @@ def compile_modules(
     return result
 
 
-def cuda_graph_count(runner: ModelRunner) -> int:
+def cuda_graph_count(runner: GraphRunner) -> int:
     """The most CUDA graphs one compiled module of ``runner`` can record: row buckets × key-length buckets
     (powers of two from ``CUDA_MIN_KEYS`` up to the slot's positions) × widths (1 and the block for the
     target, every node bucket for the token-tree forward)."""
@@ -507,19 +523,19 @@ def cuda_graph_count(runner: ModelRunner) -> int:
     return len(_row_buckets_cuda(runner)) * keys * widths
 
 
-def _row_buckets_cuda(runner: ModelRunner) -> list[int]:
+def _row_buckets_cuda(runner: GraphRunner) -> list[int]:
     last = bucket_rows(runner.num_slots, runner.num_slots)
     return [*(b for b in CUDA_ROW_BUCKETS if b < runner.num_slots), last]
 
 
-def _row_buckets(runner: ModelRunner) -> list[int]:
+def _row_buckets(runner: GraphRunner) -> list[int]:
     """Row counts to build graphs for: 1 and ≥ 2 on CPU; every bucket up to the slots on CUDA."""
     if runner.cuda:
         return _row_buckets_cuda(runner)
     return [1, 2] if runner.num_slots >= 2 else [1]
 
 
-def _warm_up(runner: ModelRunner, name: str, forward: Callable[..., Any], result: CompiledForwards) -> None:
+def _warm_up(runner: GraphRunner, name: str, forward: Callable[..., Any], result: CompiledForwards) -> None:
     """Build every graph now (rows on the scratch slot only), not in the middle of a request:
     per row bucket, the drafter's block and the selector, the target and the context append at
     width 1 and at the block width (on CPU one graph covers every width from 2 up), and the token-tree

@@ -22,14 +22,16 @@ import torch
 from dflash2.models.base import Drafter
 from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import batch_invariant_enabled
-from dflash2.runner.compile import compiled_mode, graph_input, mark_dynamic
 from dflash2.runner.graph_inputs import (
     PendingWrites,
     bucket_rows,
+    compiled_mode,
     context_writes,
     draft_inputs,
     flat_context,
+    graph_input,
     key_length,
+    mark_dynamic,
 )
 from dflash2.runner.settings import RunnerSpec
 from dflash2.spec.selector import Proposal, draft_path_of, lattice_scores, topk_candidates

@@ -10,8 +10,9 @@ Dimension letters: R rows, L tokens per row, T key positions, F·H captured feat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -183,3 +184,45 @@ def flat_context(
     positions = torch.tensor(starts, device=device)[:, None] + offsets
     flat_slots = torch.tensor(slots, device=device)[:, None].expand(-1, width)[keep]
     return flat_slots, positions[keep], features[keep]
+
+
+# ---- calling the compiled graphs ------------------------------------------------------------
+
+
+def graph_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a compiled graph may take it on every call: contiguous, not an inference tensor (the
+    engine's may be) — copied only then — and not a view (a view's guards read its base; ``detach``
+    drops the base without a copy)."""
+    if t.is_inference():
+        return t.clone(memory_format=torch.contiguous_format)
+    t = t.contiguous()
+    return t.detach() if t._base is not None else t
+
+
+@contextlib.contextmanager
+def compiled_mode() -> Iterator[None]:
+    """Compiled forwards run under ``no_grad`` outside inference mode: a graph traced once must see
+    the same tensor flags on every call, and the weights, graph inputs, need no autograd."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def mark_dynamic(
+    row_inputs: Sequence[torch.Tensor],
+    keys: torch.Tensor | None = None,
+    width_inputs: Sequence[torch.Tensor] = (),
+    static: bool = False,
+) -> None:
+    """CPU: one graph for every key length, one for every row count ≥ 2 (batch 1 has its own) and,
+    for the target, the context append and the drafter's block, one for every width ≥ 2 (width 1,
+    a plain decode step, has its own). Nothing when ``static`` (CUDA graphs have static shapes)."""
+    if static:
+        return
+    if keys is not None:
+        torch._dynamo.maybe_mark_dynamic(keys, 0)
+    if row_inputs[0].shape[0] >= 2:
+        for t in row_inputs:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in width_inputs:
+        if t.dim() >= 2 and t.shape[1] >= 2:
+            torch._dynamo.maybe_mark_dynamic(t, 1)

@@ -37,14 +37,15 @@ from dflash2.models.kv_cache import KVCache
 from dflash2.models.layers import BACKEND_NAMES, invariant_kernel_available, linear_backend
 from dflash2.models.llama import SUPPORTED_MODEL_TYPES, TargetModel
 from dflash2.runner import compile as graphs
-from dflash2.runner.compile import compiled_mode, mark_dynamic
 from dflash2.runner.costs import measure_costs
 from dflash2.runner.draft_runner import DraftRunner
 from dflash2.runner.graph_inputs import (
     bucket_nodes,
     bucket_rows,
+    compiled_mode,
     key_length,
     layer_caches,
+    mark_dynamic,
     read_slots_index,
     target_inputs,
     tree_inputs,
