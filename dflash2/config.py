@@ -431,13 +431,25 @@ def _default_max_model_len(target: Any, kv_bytes_per_token: int, num_slots: int,
     return length
 
 
+def _layer_kv_shapes(config: Any) -> list[tuple[int, int]]:
+    """Per decoder layer, ``(key-value heads, head dim)``: from ``per_layer_config`` where a config's
+    layers differ (Gemma 4: the full-attention layers' heads are wider; reading ``config.head_dim``
+    there raises), else the config's own values for every layer."""
+    layers = getattr(config, "per_layer_config", None)
+    configs = list(layers) if layers is not None else [config] * int(config.num_hidden_layers)
+    shapes = []
+    for layer in configs:
+        heads = int(getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads)
+        head_dim = int(getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+        shapes.append((heads, head_dim))
+    return shapes
+
+
 def _kv_bytes_per_token(target: Any, drafter: Any | None) -> int:
     """KV-cache bytes one token takes in one slot: target (+ drafter context)."""
 
     def per_token(config: Any, dtype: torch.dtype) -> int:
-        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        return 2 * int(config.num_hidden_layers) * heads * head_dim * dtype.itemsize
+        return 2 * sum(heads * head_dim for heads, head_dim in _layer_kv_shapes(config)) * dtype.itemsize
 
     total = per_token(target.config, target.embedding_weights()[0].dtype)
     if drafter is not None:

@@ -45,17 +45,26 @@ def drafter_config_for_target(
     conv_group_size: int = 16,
     mask_token_id: int | None = None,
 ) -> DrafterConfig:
-    """A drafter config whose layers are shaped like the target's (hidden size must match)."""
+    """A drafter config whose layers are shaped like the target's (hidden size must match).
+
+    A multimodal checkpoint's config is shaped from its language model's (``text_config``); where the
+    target's layers differ (``per_layer_config``: Gemma 4's wider full-attention heads) the drafter takes
+    the shape most of them have, and the RoPE settings of its sliding-window layers when RoPE is set per
+    layer type (the drafter attends over a short block and its context like those layers do).
+    """
+    target_config = getattr(target_config, "text_config", None) or target_config
     hidden = int(target_config.hidden_size)
-    heads = int(target_config.num_attention_heads)
+    heads = int(_most_layers(target_config, "num_attention_heads", None))
     num_target_layers = int(target_config.num_hidden_layers)
     rope = getattr(target_config, "rope_parameters", None) or {}
+    if rope and all(isinstance(value, dict) for value in rope.values()):  # per layer type
+        rope = rope.get("sliding_attention") or next(iter(rope.values()))
     return DrafterConfig(
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", heads)),
-        head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
+        num_key_value_heads=int(_most_layers(target_config, "num_key_value_heads", heads)),
+        head_dim=int(_most_layers(target_config, "head_dim", hidden // heads)),
         intermediate_size=int(target_config.intermediate_size),
         vocab_size=int(target_config.vocab_size),
         block_size=block_size,
@@ -70,3 +79,13 @@ def drafter_config_for_target(
         selector_rank=selector_rank if selector else 0,
         selector_top_k=selector_top_k if selector else 0,
     )
+
+
+def _most_layers(config: Any, name: str, default: Any) -> Any:
+    """``config.<name>``, or where it is set per layer (``per_layer_config``) the value most layers have
+    (the first of those on a tie); ``default`` where it is unset."""
+    layers = getattr(config, "per_layer_config", None)
+    if layers is None:
+        return getattr(config, name, None) or default
+    values = [getattr(layer, name, None) or default for layer in layers]
+    return max(values, key=values.count)

@@ -1,8 +1,11 @@
 """Generic transformers fallback for causal LMs without a decoder written here.
 
 Runs one row at a time with a ``DynamicCache`` per slot, cropped to the committed length
-before each forward (the rollback). Results are identical to the batched decoders; it is
-only slower. Features come from ``output_hidden_states[id + 1]`` (docs/dflash2-spec.md §2.1).
+before each forward (the rollback). Layers that keep less than the whole past — sliding windows,
+the recurrent state and convolution window of linear attention (Gated DeltaNet hybrids) — record
+what a rollback needs (transformers' ``activate_past_recording``: the window's evicted keys and
+the state after every verified position) until that crop. Results are identical to the batched
+decoders; it is only slower. Features come from ``output_hidden_states[id + 1]`` (docs/dflash2-spec.md §2.1).
 
 Dimension letters: R rows, L positions per row, V vocab, F·H captured features.
 """
@@ -45,12 +48,14 @@ class SlotCaches:
 
 
 class HFCausalLMTarget(nn.Module):
-    """Any ``AutoModelForCausalLM`` behind the target interface (batch 1 per forward)."""
+    """Any ``AutoModelForCausalLM`` — or the text side of an image-text-to-text model, fed text only —
+    behind the target interface (batch 1 per forward)."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model: Any = model
-        self.config: Any = model.config
+        # A multimodal model's text decoder is what this target serves: its config (layers, heads, vocab).
+        self.config: Any = model.config.get_text_config()
         # transformers ≥ 5.x names the cache argument ``cache``; earlier releases ``past_key_values``.
         parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
@@ -91,8 +96,17 @@ class HFCausalLMTarget(nn.Module):
             past = cache.caches[slot]
             if past is None or start == 0:
                 past = DynamicCache(config=self.config)
-            elif past.get_seq_length() > start:
-                past.crop(start - past.get_seq_length())  # negative: drop that many trailing tokens
+                # Sliding-window and linear-attention layers keep what a rollback needs until the next
+                # crop (a no-op for full-attention layers, which keep everything anyway).
+                past.activate_past_recording()
+            elif past.get_seq_length() >= start:
+                # Negative: drop that many trailing tokens; crop(0) still trims windows and states
+                # recorded by the last forward back to what the next one needs. (A shorter cache is the
+                # scratch slot's, which the start-up timings run at any position.)
+                past.crop(start - past.get_seq_length())
+            # A verify may be rolled back to any of its positions: record the recurrent state after each
+            # (a prefill is never rolled back into: its last token is committed).
+            _record_states(past, 0 if last_only else length)
             out = self.model(
                 input_ids=batch.input_ids[r : r + 1, :length],
                 position_ids=batch.positions[r : r + 1, :length],
@@ -106,6 +120,15 @@ class HFCausalLMTarget(nn.Module):
             if capture_layer_ids:
                 feature_rows.append(torch.cat([out.hidden_states[i + 1][0] for i in capture_layer_ids], dim=-1))
         return _pad(logits_rows), (_pad(feature_rows) if feature_rows else None)
+
+
+def _record_states(past: Any, count: int) -> None:
+    """Have every linear-attention layer of ``past`` keep its recurrent state after each of the next
+    forward's last ``count`` tokens, so a rollback into that forward restores the state exactly
+    (transformers' ``activate_past_recording``; full- and sliding-attention layers keep their K/V)."""
+    for layer in getattr(past, "layers", ()):
+        if getattr(layer, "record_past", False) and hasattr(layer, "recurrent_states_to_keep"):
+            layer.recurrent_states_to_keep = count
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:

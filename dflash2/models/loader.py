@@ -81,20 +81,48 @@ def load_target(folder: Path, dtype: torch.dtype, device: torch.device) -> Targe
 
 
 def _load_fallback(folder: Path, config: Any, dtype: torch.dtype, device: torch.device) -> HFCausalLMTarget:
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """A model the project does not decode itself, through transformers: a causal LM, or the language model
+    of a multimodal checkpoint (``*ForConditionalGeneration``, served text only).
 
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    Raises:
+        ModelLoadError: for a model type transformers can load as neither, naming it and what is supported.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    multimodal = getattr(config, "text_config", None) is not None
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        loader: Any = AutoModelForCausalLM
+    elif multimodal and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        loader = AutoModelForImageTextToText
+    else:
         raise ModelLoadError(
-            f"{folder}: model_type {config.model_type!r} is not a causal language model; "
-            "dflash2 serves decoder-only text generation models"
+            f"{folder}: model_type {config.model_type!r} is not a causal language model; dflash2 serves "
+            f"decoder-only text generation: {', '.join(SUPPORTED_MODEL_TYPES)} on its own decoders, any other "
+            "model type transformers loads as a causal LM, and the language model of a multimodal "
+            "(image-text-to-text) checkpoint, text only"
         )
     logger.warning(
         "model_type %r has no batched decoder here; using the transformers fallback (batch 1, slower)",
         config.model_type,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
-    model = model.to(device)  # type: ignore[arg-type]
+    if multimodal:
+        logger.warning(
+            "%s is a multimodal checkpoint (%s): serving its language model, text only",
+            folder,
+            config.model_type,
+        )
+    try:
+        model = loader.from_pretrained(str(folder), dtype=dtype)
+    except (OSError, ValueError, AttributeError, KeyError, RuntimeError, TypeError) as error:
+        raise ModelLoadError(
+            f"{folder}: transformers could not load model_type {config.model_type!r}: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}"
+        ) from error
+    model = model.to(device)
     return HFCausalLMTarget(model.eval())
 
 
