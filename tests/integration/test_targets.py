@@ -220,6 +220,23 @@ def test_fallback_speculation_rolls_back_windows_and_recurrent_states(tmp_path, 
             hf = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
         expected = hf[0, len(prompt) :].tolist()  # transformers stops at the config's EOS; the engine has none
         assert len(expected) >= 8 and tokens[: len(expected)] == expected
+    sampled = LLM.from_engine(
+        Engine(
+            EngineConfig(
+                block_size=8,
+                max_num_seqs=2,
+                max_model_len=128,
+                device="cpu",
+                dtype="float32",
+                enforce_eager=True,
+                speculative_adaptive=False,
+            ),
+            target,
+            None,
+            drafter,
+        )
+    ).generate(prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=3))
+    assert all(c.error is None and len(c.token_ids) == 32 for c in sampled)  # rejection sampling rolls back too
 
 
 def test_drafter_config_for_per_layer_and_multimodal_configs():
