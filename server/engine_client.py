@@ -114,9 +114,12 @@ class EngineClient:
     Args:
         load_engine: builds the engine; runs on the engine thread, so the server can answer
             ``/health`` while a large model loads.
+        owns_engine: :meth:`shutdown` closes the engine (it was built for this client); False for an
+            engine the caller loaded and keeps (:meth:`from_engine`), which the caller closes.
     """
 
-    def __init__(self, load_engine: Callable[[], Engine]) -> None:
+    def __init__(self, load_engine: Callable[[], Engine], owns_engine: bool = True) -> None:
+        self.owns_engine = owns_engine
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.fatal_error: str | None = None  # why a loaded engine stopped for good (a tensor-parallel rank exited)
@@ -131,8 +134,8 @@ class EngineClient:
 
     @classmethod
     def from_engine(cls, engine: Engine) -> EngineClient:
-        """A client for an engine that is already loaded."""
-        return cls(lambda: engine)
+        """A client for an engine that is already loaded; the caller keeps it (and closes it)."""
+        return cls(lambda: engine, owns_engine=False)
 
     # ---- lifecycle (event loop) -------------------------------------------------------------------
 
@@ -165,7 +168,7 @@ class EngineClient:
             self._wakeup.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, _JOIN_TIMEOUT_SECONDS)
-        if self.engine is not None:
+        if self.engine is not None and self.owns_engine:
             await asyncio.to_thread(self.engine.close)  # stops tensor-parallel workers, if any
         error = ServiceUnavailableError("the server is shutting down")
         for group, index in list(self._routes.values()):
