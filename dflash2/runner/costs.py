@@ -9,25 +9,14 @@ from typing import Protocol
 
 import torch
 
-from dflash2.runner.draft_runner import DraftRunner
+from dflash2.runner.compile import GraphRunner
 from dflash2.spec.tree import TokenTree, build_trees
 
 
-class TimedRunner(Protocol):
-    """What the timings call on the runner (:class:`~dflash2.runner.ModelRunner` is one; naming this
-    instead keeps the runner's module, which calls the timings, out of this one's imports)."""
-
-    device: torch.device
-    drafting: DraftRunner | None
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def scratch_slot(self) -> int: ...
+class TimedRunner(GraphRunner, Protocol):
+    """What the timings call on the runner: what the graphs' warm-up reads, and ``verify``
+    (:class:`~dflash2.runner.ModelRunner` is one; naming this instead keeps the runner's module, which
+    calls the timings, out of this one's imports)."""
 
     def verify(
         self, slots: list[int], trees: Sequence[TokenTree], starts: list[int]
