@@ -172,6 +172,23 @@ HYBRID_FAMILIES = {
 }
 
 
+def _fallback_completions(target, drafter, block, prompts, params):
+    """Completions of ``prompts`` on a float32 eager engine over ``target`` with full blocks (no adaptive
+    policy), none of them failed."""
+    config = EngineConfig(
+        block_size=block,
+        max_num_seqs=2,
+        max_model_len=128,
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
+        speculative_adaptive=False,  # full blocks every step, however few drafts are accepted
+    )
+    completions = LLM.from_engine(Engine(config, target, None, drafter)).generate(prompts, params)
+    assert all(c.error is None for c in completions)
+    return completions
+
+
 def _hybrid_model(tmp_path, model_type):
     base = {**COMMON, "max_position_embeddings": 512, **HYBRID_FAMILIES[model_type]}
     if model_type != "gemma4_text":  # its head dims are per layer
@@ -199,17 +216,7 @@ def test_fallback_speculation_rolls_back_windows_and_recurrent_states(tmp_path, 
     prompts = [list(range(1, 13)), [9, 8, 7]]
 
     def run(d, block):
-        config = EngineConfig(
-            block_size=block,
-            max_num_seqs=2,
-            max_model_len=128,
-            device="cpu",
-            dtype="float32",
-            enforce_eager=True,
-            speculative_adaptive=False,  # full blocks every step, however few drafts are accepted
-        )
-        completions = LLM.from_engine(Engine(config, target, None, d)).generate(prompts, params)
-        assert all(c.error is None for c in completions)
+        completions = _fallback_completions(target, d, block, prompts, params)
         return [c.token_ids for c in completions], sum(c.num_draft_tokens - c.num_accepted_tokens for c in completions)
 
     (ar, _), (spec, rejected) = run(None, 1), run(drafter, 8)
@@ -220,23 +227,8 @@ def test_fallback_speculation_rolls_back_windows_and_recurrent_states(tmp_path, 
             hf = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
         expected = hf[0, len(prompt) :].tolist()  # transformers stops at the config's EOS; the engine has none
         assert len(expected) >= 8 and tokens[: len(expected)] == expected
-    sampled = LLM.from_engine(
-        Engine(
-            EngineConfig(
-                block_size=8,
-                max_num_seqs=2,
-                max_model_len=128,
-                device="cpu",
-                dtype="float32",
-                enforce_eager=True,
-                speculative_adaptive=False,
-            ),
-            target,
-            None,
-            drafter,
-        )
-    ).generate(prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=3))
-    assert all(c.error is None and len(c.token_ids) == 32 for c in sampled)  # rejection sampling rolls back too
+    sampled = _fallback_completions(target, drafter, 8, prompts, SamplingParams(max_tokens=32, temperature=1.0, seed=3))
+    assert all(len(c.token_ids) == 32 for c in sampled)  # rejection sampling rolls back too
 
 
 def test_drafter_config_for_per_layer_and_multimodal_configs():
@@ -284,18 +276,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path, model_type)
     prompts = [list(range(1, 13)), [9, 8, 7]]
 
     def run(d, block):
-        config = EngineConfig(
-            block_size=block,
-            max_num_seqs=2,
-            max_model_len=128,
-            device="cpu",
-            dtype="float32",
-            enforce_eager=True,
-            speculative_adaptive=False,
-        )
-        completions = LLM.from_engine(Engine(config, target, None, d)).generate(prompts, params)
-        assert all(c.error is None for c in completions)
-        return [c.token_ids for c in completions]
+        return [c.token_ids for c in _fallback_completions(target, d, block, prompts, params)]
 
     ar = run(None, 1)
     assert run(drafter, 8) == ar
